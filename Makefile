@@ -1,0 +1,27 @@
+# The course's two commands:  `make lab` (install, open JupyterLab) and `make test` (install, run every test).
+# Both install into .venv/ in this folder and are idempotent: the install re-runs only when
+# requirements.txt or pyproject.toml change.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: install lab test clean
+
+$(STAMP): requirements.txt pyproject.toml
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "Python 3.10+ is needed (3.11 recommended); set PYTHON=python3.11")'
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet -r requirements.txt
+	$(PY) -m pip install --quiet --no-deps -e .
+	touch $(STAMP)
+
+install: $(STAMP)
+
+lab: install
+	$(VENV)/bin/jupyter lab notebooks/00_start_here.ipynb
+
+test: install
+	$(PY) -m pytest
+
+clean:
+	rm -rf $(VENV) results .pytest_cache

@@ -1,0 +1,52 @@
+"""course_utils: the helpers shared by the notebooks of "When the model does not fit".
+
+One module per concept (as in rasbt/LLMs-from-scratch):
+
+- ``hardware``  device, GPU name, bf16 support, course profile, GPU memory cap, banner
+- ``memory``    measure peak memory of training code by category, on CPU, CUDA and fake tensors
+- ``estimate``  the byte arithmetic: parameters, gradients, optimizer state, activations
+- ``results``   record each notebook's headline figures to results/<notebook>.json
+- ``checks``    claim checks (assertions that explain themselves) and exercise checkers
+- ``bootstrap`` Colab bootstrap: install only what is missing, never torch
+"""
+from __future__ import annotations
+
+import random
+
+from . import bootstrap, checks, hardware, results
+
+__version__ = "0.1.0"
+
+
+def seed_everything(seed: int = 0) -> None:
+    """Seed Python, NumPy and torch so a notebook's numbers repeat from run to run."""
+    import numpy as np
+    import torch
+
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed must be a non-negative integer, not {seed!r}.")
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def setup(notebook: str, *, seed: int = 0) -> str:
+    """First call of every notebook: name it for ``results.record``, seed, style plots, print the banner.
+
+    Returns the course profile ('smoke' or 'full').
+    """
+    results.set_notebook(notebook)
+    seed_everything(seed)
+    try:
+        import seaborn as sns
+
+        sns.set_theme(style="whitegrid", context="notebook")
+    except ImportError:  # pragma: no cover - seaborn is in requirements
+        pass
+    print(hardware.banner())
+    if hardware.in_colab() and hardware.device_type() != "cuda":
+        print(
+            "[course] No GPU attached. On Colab: Runtime > Change runtime type > T4 GPU, then re-run. "
+            "Every notebook also runs on the CPU in profile 'smoke'."
+        )
+    return hardware.course_profile()

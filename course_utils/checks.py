@@ -1,0 +1,110 @@
+"""Claim checks and exercise checkers.
+
+A *claim check* turns a sentence of the lesson ("checkpointing cuts activation memory to a
+quarter") into an assertion: if a cell's measurement stops supporting the sentence, the
+notebook fails under nbval and says what was expected and what was measured.
+"""
+from __future__ import annotations
+
+import math
+import operator
+from typing import Any, Callable
+
+_OPS: dict[str, tuple[Callable[[Any, Any], bool], str]] = {
+    "<=": (operator.le, "at most"),
+    "<": (operator.lt, "below"),
+    ">=": (operator.ge, "at least"),
+    ">": (operator.gt, "above"),
+    "==": (operator.eq, "exactly"),
+}
+
+
+class ClaimError(AssertionError):
+    """A lesson's claim did not hold on this machine."""
+
+
+def claim(claim_text: str, measured, op: str, expected, *, unit: str = "") -> None:
+    """Assert ``measured <op> expected``; on failure say what the lesson claims and what was measured.
+
+    >>> claim("Adam keeps two fp32 states per parameter", 8, "==", 8, unit="bytes/param")
+    """
+    if op not in _OPS:
+        raise ValueError(f"op must be one of {sorted(_OPS)}, not {op!r}.")
+    if not isinstance(claim_text, str) or not claim_text:
+        raise ValueError("claim_text must say, in words, what the lesson claims.")
+    for label, value in (("measured", measured), ("expected", expected)):
+        if isinstance(value, float) and math.isnan(value):
+            raise ClaimError(f"Claim failed: {claim_text}. The {label} value is NaN.")
+    compare, words = _OPS[op]
+    if not compare(measured, expected):
+        suffix = f" {unit}" if unit else ""
+        raise ClaimError(
+            f"Claim failed: {claim_text}. Expected {words} {_fmt(expected)}{suffix}, "
+            f"measured {_fmt(measured)}{suffix}."
+        )
+    print(f"✓ {claim_text}: {_fmt(measured)}{' ' + unit if unit else ''} ({words} {_fmt(expected)})")
+
+
+def claim_close(claim_text: str, measured: float, expected: float, *, rel_tol: float = 0.1, unit: str = "") -> None:
+    """Assert ``measured`` is within ``rel_tol`` (relative) of ``expected``."""
+    if not rel_tol > 0:
+        raise ValueError(f"rel_tol must be positive, e.g. 0.1 for 10%, not {rel_tol}.")
+    error = abs(measured - expected) / max(abs(expected), 1e-30)
+    suffix = f" {unit}" if unit else ""
+    if not error <= rel_tol:
+        raise ClaimError(
+            f"Claim failed: {claim_text}. Expected {_fmt(expected)}{suffix} within {rel_tol:.0%}, "
+            f"measured {_fmt(measured)}{suffix} ({error:.1%} off)."
+        )
+    print(f"✓ {claim_text}: {_fmt(measured)}{suffix} vs {_fmt(expected)}{suffix} ({error:.1%} off)")
+
+
+def check_exercise(name: str, learner_value, reference_value, *, rel_tol: float = 0.0, hint: str = "") -> bool:
+    """Compare a learner's answer with the reference; print a friendly verdict and return True/False.
+
+    Unlike :func:`claim` this never raises on a wrong answer (a learner should be allowed to try
+    again); it raises ``ValueError`` only when the answer is missing (``None`` or ``...``), which
+    tells the learner to fill it in.
+    """
+    if learner_value is None or learner_value is Ellipsis:
+        raise ValueError(f"Exercise '{name}': replace the `...` / None with your answer, then run the cell again.")
+    try:
+        ok = _matches(learner_value, reference_value, rel_tol)
+    except (TypeError, ValueError) as err:
+        print(f"✗ {name}: your answer could not be compared with the reference ({err}).")
+        return False
+    if ok:
+        print(f"✓ {name}: correct ({_fmt(learner_value)}).")
+    else:
+        tol = f" within {rel_tol:.0%}" if rel_tol else ""
+        print(f"✗ {name}: expected {_fmt(reference_value)}{tol}, got {_fmt(learner_value)}." + (f" Hint: {hint}" if hint else ""))
+    return ok
+
+
+def _matches(a, b, rel_tol: float) -> bool:
+    try:
+        import torch
+
+        if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+            a_t, b_t = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
+            if a_t.shape != b_t.shape:
+                raise ValueError(f"shape {tuple(a_t.shape)} vs {tuple(b_t.shape)}")
+            scale = b_t.abs().max().clamp_min(1e-30)
+            return bool(((a_t - b_t).abs().max() / scale) <= max(rel_tol, 1e-12))
+    except ImportError:  # pragma: no cover
+        pass
+    if isinstance(b, (int, float)) and not isinstance(b, bool):
+        return abs(float(a) - b) <= rel_tol * max(abs(b), 1e-30) if rel_tol else float(a) == b
+    if isinstance(b, (set, frozenset)):
+        return set(a) == b
+    return a == b
+
+
+def _fmt(value) -> str:
+    if isinstance(value, float):
+        if value != 0 and (abs(value) < 1e-3 or abs(value) >= 1e6):
+            return f"{value:.3g}"
+        return f"{value:.4g}"
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10_000:
+        return f"{value:,}"
+    return repr(value) if isinstance(value, str) else str(value)

@@ -1,0 +1,293 @@
+"""The memory arithmetic learners do by hand, done right.
+
+Training memory has four parts (ZeRO, Rajbhandari et al. 2019):
+
+* parameters: ``n_params x bytes(dtype)``
+* gradients: the same size as the parameters they belong to
+* optimizer state: SGD none, SGD+momentum one copy, Adam/AdamW two copies (m and v),
+  8-bit Adam two 1-byte copies plus one fp32 ``absmax`` per block of 256 values;
+  mixed precision adds an fp32 master copy of the weights (4 bytes/param)
+* activations: what autograd saves in forward for backward. Not the module outputs
+  (the article's ``modelsize()`` counts those): measured here from one real forward pass
+  with ``torch.autograd.graph.saved_tensors_hooks``.
+
+Plus the optimizer step's scratch space: PyTorch's default (foreach) Adam builds temporaries
+the size of the whole model while it updates it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+GIB = 1024**3
+MIB = 1024**2
+
+_DTYPE_ALIASES = {
+    "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
+    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+    "int8": torch.int8, "uint8": torch.uint8, "fp8": torch.float8_e4m3fn,
+    "fp64": torch.float64, "float64": torch.float64,
+}
+
+# state tensors per parameter, in units of the parameter's dtype (8-bit Adam handled apart)
+_STATE_COPIES = {"sgd": 0, "sgd_momentum": 1, "adam": 2, "adamw": 2}
+OPTIMIZERS = ("sgd", "sgd_momentum", "adam", "adamw", "adam8bit")
+BNB_BLOCKSIZE = 256  # bitsandbytes' block size for 8-bit optimizer state since 0.44
+BNB_MIN_8BIT_SIZE = 4096  # smaller tensors keep 32-bit state
+
+
+def dtype_of(dtype) -> torch.dtype:
+    """'fp16' / 'bf16' / torch.float16 ... -> torch.dtype, with a clear error for anything else."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if isinstance(dtype, str) and dtype.lower() in _DTYPE_ALIASES:
+        return _DTYPE_ALIASES[dtype.lower()]
+    raise ValueError(f"Unknown dtype {dtype!r}; use one of {sorted(_DTYPE_ALIASES)} or a torch.dtype.")
+
+
+def bytes_per_element(dtype) -> int:
+    """4 for fp32, 2 for fp16/bf16, 1 for int8."""
+    return torch.empty((), dtype=dtype_of(dtype)).element_size()
+
+
+def normalize_optimizer(name: str) -> str:
+    if not isinstance(name, str):
+        raise TypeError(f"optimizer must be a name such as 'adam', not {type(name).__name__}.")
+    key = name.lower().replace("-", "_").replace(" ", "_").replace("+", "_")
+    key = {"adam_8bit": "adam8bit", "adamw8bit": "adam8bit", "adamw_8bit": "adam8bit", "8bit_adam": "adam8bit",
+           "momentum": "sgd_momentum", "sgdm": "sgd_momentum", "sgd_with_momentum": "sgd_momentum"}.get(key, key)
+    if key not in OPTIMIZERS:
+        raise ValueError(f"Unknown optimizer {name!r}; choose one of {OPTIMIZERS}.")
+    return key
+
+
+def _check_count(value, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int,)) and not (isinstance(value, float) and value.is_integer()):
+        raise TypeError(f"{what} must be a whole number, not {value!r}.")
+    value = int(value)
+    if value <= 0:
+        raise ValueError(f"{what} must be positive (got {value}).")
+    return value
+
+
+def count_params(model: nn.Module, *, trainable_only: bool = False) -> int:
+    """Number of parameters, each shared (tied) parameter counted once."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"count_params needs a torch.nn.Module, not {type(model).__name__}.")
+    return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
+
+
+def optimizer_state_bytes(n_params: int, optimizer: str = "adam", *, param_dtype="fp32",
+                          tensor_sizes: list[int] | None = None) -> int:
+    """Bytes of optimizer state for ``n_params`` parameters.
+
+    For 8-bit Adam, pass ``tensor_sizes`` (numel of each parameter tensor) to apply
+    bitsandbytes' rule that tensors under 4096 elements keep 32-bit state; without it every
+    tensor is assumed large.
+    """
+    n_params = _check_count(n_params, "n_params")
+    opt = normalize_optimizer(optimizer)
+    if opt != "adam8bit":
+        return _STATE_COPIES[opt] * n_params * bytes_per_element(param_dtype)
+    sizes = tensor_sizes if tensor_sizes is not None else [n_params]
+    total = 0
+    for size in sizes:
+        size = _check_count(size, "tensor size")
+        if size < BNB_MIN_8BIT_SIZE:
+            total += 2 * 4 * size
+        else:
+            blocks = -(-size // BNB_BLOCKSIZE)
+            total += 2 * size + 2 * 4 * blocks  # two uint8 states + one fp32 absmax per block each
+    return total
+
+
+@dataclass
+class TrainingBytes:
+    """Bytes of the persistent training state (everything but activations)."""
+
+    params: int
+    grads: int
+    optimizer: int
+    master_weights: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.master_weights
+
+    def per_param(self, n_params: int) -> float:
+        return self.total / _check_count(n_params, "n_params")
+
+
+def training_state_bytes(n_params: int, *, optimizer: str = "adam", param_dtype="fp32",
+                         master_weights: bool = False, tensor_sizes: list[int] | None = None) -> TrainingBytes:
+    """Parameters + gradients + optimizer state (+ fp32 master weights) for ``n_params``.
+
+    With ``master_weights=True`` (mixed precision as in Micikevicius et al. 2017) the optimizer
+    works on an fp32 copy, so its state is fp32 whatever the model's dtype:
+    2 (fp16 weights) + 2 (fp16 grads) + 4 (master) + 8 (Adam m, v) = 16 bytes/param.
+    """
+    n_params = _check_count(n_params, "n_params")
+    width = bytes_per_element(param_dtype)
+    state_dtype = "fp32" if master_weights else param_dtype
+    return TrainingBytes(
+        params=n_params * width,
+        grads=n_params * width,
+        optimizer=optimizer_state_bytes(n_params, optimizer, param_dtype=state_dtype, tensor_sizes=tensor_sizes),
+        master_weights=n_params * 4 if master_weights else 0,
+    )
+
+
+def _saved_tensor_bytes(fn, params: set) -> tuple[int, int]:
+    """Run fn() and return (bytes of tensors autograd saved, excluding parameters; output bytes)."""
+    seen: dict = {}
+
+    def pack(t: torch.Tensor):
+        storage = t.untyped_storage()
+        try:
+            key = (t.device.type, storage.data_ptr())
+        except Exception:
+            key = id(storage)
+        if id(t) not in params and key not in params and key not in seen:
+            seen[key] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return sum(seen.values()), out
+
+
+def _forward_profile(model: nn.Module, inputs, kwargs) -> dict:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"Expected a torch.nn.Module, not {type(model).__name__}.")
+    if not inputs and not kwargs:
+        raise ValueError("Pass an example input, e.g. activation_bytes(model, torch.randn(8, 1, 28, 28)).")
+    param_keys = set()
+    for p in model.parameters():
+        param_keys.add(id(p))
+        try:
+            param_keys.add((p.device.type, p.untyped_storage().data_ptr()))
+        except Exception:
+            pass
+    was_training = model.training
+    model.train()
+    try:
+        saved, out = _saved_tensor_bytes(lambda: model(*inputs, **kwargs), param_keys)
+    finally:
+        model.train(was_training)
+    outs = [t.untyped_storage().nbytes() for t in _tensors_in(out)]
+    ins = [t.untyped_storage().nbytes() for t in _tensors_in((inputs, kwargs))]
+    del out
+    return {"saved": saved, "output": sum(outs), "largest_output": max(outs, default=0), "inputs": sum(ins)}
+
+
+def activation_bytes(model: nn.Module, *inputs, **kwargs) -> int:
+    """Bytes autograd keeps from one forward pass of ``model(*inputs, **kwargs)`` in train mode.
+
+    Counts each saved tensor's storage once, excluding the parameters themselves (weights
+    saved for backward are already counted as parameters), plus the output.
+    """
+    profile = _forward_profile(model, inputs, kwargs)
+    return profile["saved"] + profile["output"]
+
+
+def step_scratch_bytes(param_sizes: list[int], optimizer: str = "adam", *, param_dtype="fp32",
+                       foreach: bool = False) -> int:
+    """Temporary bytes ``optimizer.step()`` allocates.
+
+    PyTorch's Adam updates one tensor at a time on the CPU (``foreach`` is its default only for
+    CUDA tensors): about two temporaries the size of the largest parameter tensor (the
+    denominator sqrt(v)/c + eps and the step). The foreach path used on CUDA builds them for all
+    tensors at once: about one copy of the whole model. SGD, with or without momentum, works in
+    place. 8-bit Adam dequantizes block by block inside its kernel.
+    """
+    opt = normalize_optimizer(optimizer)
+    if not param_sizes:
+        raise ValueError("param_sizes is empty: pass the numel of each parameter tensor.")
+    width = bytes_per_element(param_dtype)
+    if opt not in ("adam", "adamw"):
+        return 0
+    if foreach:
+        return sum(param_sizes) * width
+    return 2 * max(param_sizes) * width
+
+
+def _tensors_in(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict) or hasattr(obj, "values") and callable(obj.values):
+        for v in obj.values():
+            yield from _tensors_in(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors_in(v)
+
+
+@dataclass
+class MemoryEstimate:
+    """Predicted peak of one training step, by category (bytes)."""
+
+    by_category: dict[str, int]
+    n_params: int
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def peak_bytes(self) -> int:
+        return sum(self.by_category.values())
+
+    def __str__(self) -> str:
+        from .memory import format_bytes
+
+        lines = [f"Estimated peak: {format_bytes(self.peak_bytes)} for {self.n_params:,} parameters"]
+        for k, v in self.by_category.items():
+            lines.append(f"  {k:<12} {format_bytes(v):>12}")
+        return "\n".join(lines + [f"  note: {n}" for n in self.notes])
+
+    __repr__ = __str__
+
+
+def estimate_training_memory(model: nn.Module, *inputs, optimizer: str = "adam", **kwargs) -> MemoryEstimate:
+    """Predict the peak of one training step of ``model`` on ``inputs`` with the named optimizer.
+
+    A step has two high points; the peak is the larger::
+
+        backward start: params + optimizer + grads + activations + backward temporaries
+        optimizer step: params + optimizer + grads + step scratch + the inputs still held
+
+    Activations are measured (one forward pass, saved tensors); backward's first temporaries
+    are the gradients of the largest output and of the loss's softmax (2 x that output); the
+    rest is arithmetic. Gradients are counted whole in backward: in CNNs the late layers hold
+    most weights and the early layers most activations, so both are mostly alive together.
+    The model's own dtype sets the bytes per parameter; the model's device chooses the
+    optimizer's foreach path (CUDA) or per-tensor path (CPU).
+    """
+    opt = normalize_optimizer(optimizer)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"Expected a torch.nn.Module, not {type(model).__name__}.")
+    params = list(model.parameters())
+    if not params:
+        raise ValueError("The model has no parameters; nothing to train.")
+    n = count_params(model)
+    dtype = params[0].dtype
+    sizes = [p.numel() for p in params]
+    state = training_state_bytes(n, optimizer=opt, param_dtype=dtype, tensor_sizes=sizes)
+    profile = _forward_profile(model, inputs, kwargs)
+    acts = profile["saved"] + profile["output"]
+    backward_temps = 2 * profile["largest_output"]
+    scratch = step_scratch_bytes(sizes, opt, param_dtype=dtype, foreach=params[0].device.type == "cuda")
+    backward_peak = acts + backward_temps
+    step_peak = scratch + profile["inputs"]
+    by_category = {"params": state.params, "grads": state.grads, "optimizer": state.optimizer}
+    if backward_peak >= step_peak:
+        by_category.update(activations=acts, other=backward_temps)
+        where = "at the start of backward"
+    else:
+        by_category.update(activations=profile["inputs"], other=scratch)
+        where = "in optimizer.step()"
+    return MemoryEstimate(
+        by_category=by_category,
+        n_params=n,
+        notes=[f"peak predicted {where}; activations measured from one forward pass"],
+    )

@@ -1,0 +1,160 @@
+"""What machine is this notebook running on, and which course profile applies?
+
+Every notebook starts with :func:`banner` so a learner (and a results file) always says
+which device, how much memory and which profile produced the numbers that follow.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import sys
+from dataclasses import dataclass
+
+import torch
+
+PROFILES = ("smoke", "full")
+GIB = 1024**3
+
+
+def device_type() -> str:
+    """'cuda', 'mps' or 'cpu': the best accelerator PyTorch can use here."""
+    if torch.cuda.is_available():
+        return "cuda"
+    mps = getattr(torch.backends, "mps", None)
+    if mps is not None and mps.is_available():
+        return "mps"
+    return "cpu"
+
+
+def get_device() -> torch.device:
+    return torch.device(device_type())
+
+
+def gpu_name() -> str | None:
+    """The CUDA device's marketing name, or None without a CUDA GPU."""
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_name(0)
+
+
+def total_memory_bytes() -> int:
+    """Memory of the device the course trains on: the GPU's, or the machine's RAM on CPU/MPS."""
+    if torch.cuda.is_available():
+        return int(torch.cuda.get_device_properties(0).total_memory)
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().total)
+    except ImportError:  # pragma: no cover - psutil is in requirements
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def compute_capability() -> tuple[int, int] | None:
+    """(major, minor) of the CUDA GPU, or None without one."""
+    if not torch.cuda.is_available():
+        return None
+    return tuple(torch.cuda.get_device_capability(0))
+
+
+def supports_bf16() -> bool:
+    """True only where bf16 runs natively: CUDA compute capability >= 8.0 (Ampere and newer).
+
+    `torch.cuda.is_bf16_supported()` answers True on a T4 (7.5) because it emulates bf16,
+    slowly; the course does not teach bf16 there. On CPU, autocast uses bf16 anyway (see
+    notebook 04), but this function is about the GPU.
+    """
+    cc = compute_capability()
+    return cc is not None and cc >= (8, 0)
+
+
+def in_colab() -> bool:
+    return "google.colab" in sys.modules or "COLAB_RELEASE_TAG" in os.environ
+
+
+def course_profile() -> str:
+    """'smoke' (small sizes, minutes on a CPU) or 'full' (the articles' sizes, on a GPU).
+
+    ``COURSE_PROFILE=smoke|full`` overrides; otherwise full when CUDA is present.
+    """
+    value = os.environ.get("COURSE_PROFILE", "").strip().lower()
+    if value:
+        if value not in PROFILES:
+            raise ValueError(
+                f"COURSE_PROFILE={value!r} is not a profile; set it to one of {PROFILES} "
+                "(or unset it to choose automatically: full on a CUDA GPU, smoke elsewhere)."
+            )
+        return value
+    return "full" if torch.cuda.is_available() else "smoke"
+
+
+def cap_gpu_memory(budget_gib: float) -> str:
+    """Make a larger GPU behave like one with ``budget_gib`` GiB, so "fits in 12 GB" is proven.
+
+    Uses ``torch.cuda.set_per_process_memory_fraction``: allocations beyond the cap raise
+    ``torch.OutOfMemoryError`` exactly as on the small card. Returns a sentence saying what
+    happened; on CPU/MPS it does nothing and says so.
+    """
+    if isinstance(budget_gib, bool) or not isinstance(budget_gib, (int, float)):
+        raise TypeError(f"budget_gib must be a number of GiB such as 12, not {type(budget_gib).__name__}.")
+    if not budget_gib > 0:
+        raise ValueError(f"budget_gib must be positive (got {budget_gib}); pass the lesson's GPU budget, e.g. 12.")
+    if not torch.cuda.is_available():
+        return (
+            f"No CUDA GPU here: the {budget_gib:g} GiB cap does nothing on {device_type()}. "
+            "Memory is measured by tracking tensors instead."
+        )
+    total = torch.cuda.get_device_properties(0).total_memory
+    fraction = budget_gib * GIB / total
+    if fraction >= 1:
+        return (
+            f"{gpu_name()} has {total / GIB:.1f} GiB, not more than the {budget_gib:g} GiB budget: no cap needed."
+        )
+    torch.cuda.set_per_process_memory_fraction(fraction, 0)
+    return f"Capped {gpu_name()} ({total / GIB:.1f} GiB) to {budget_gib:g} GiB ({fraction:.1%} of it)."
+
+
+@dataclass(frozen=True)
+class HardwareReport:
+    device: str
+    name: str
+    memory_bytes: int
+    compute_capability: tuple[int, int] | None
+    bf16_native: bool
+    colab: bool
+    profile: str
+
+    def __str__(self) -> str:
+        cc = f", cc {self.compute_capability[0]}.{self.compute_capability[1]}" if self.compute_capability else ""
+        return (
+            f"device={self.device} ({self.name}{cc}), memory {self.memory_bytes / GIB:.1f} GiB, "
+            f"bf16 native: {'yes' if self.bf16_native else 'no'}, profile={self.profile}"
+            + (", on Colab" if self.colab else "")
+        )
+
+
+def hardware_report() -> HardwareReport:
+    dev = device_type()
+    if dev == "cuda":
+        name = gpu_name() or "CUDA GPU"
+    elif dev == "mps":
+        name = "Apple GPU (MPS)"
+    else:
+        name = platform.processor() or platform.machine() or "CPU"
+        name = f"{name}, {os.cpu_count()} cores"
+    return HardwareReport(
+        device=dev,
+        name=name,
+        memory_bytes=total_memory_bytes(),
+        compute_capability=compute_capability(),
+        bf16_native=supports_bf16(),
+        colab=in_colab(),
+        profile=course_profile(),
+    )
+
+
+def banner() -> str:
+    """One line every notebook prints: device, memory, profile and library versions."""
+    report = hardware_report()
+    return (
+        f"[course] {report} | python {platform.python_version()}, torch {torch.__version__}"
+    )

@@ -1,0 +1,99 @@
+"""Headline figures each notebook records, so a summary can show the whole memory ledger.
+
+``record("adam_fp32_bytes_per_param", 16, "bytes")`` appends to ``results/<notebook>.json``::
+
+    {"adam_fp32_bytes_per_param": {"value": 16, "unit": "bytes", "profile": "smoke", "device": "cpu"}}
+
+The folder is ``$COURSE_RESULTS_DIR`` or ``results/`` at the repository root (git-ignored).
+The notebook name comes from :func:`set_notebook` (called by ``course_utils.setup``).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from pathlib import Path
+
+from . import hardware
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
+_current_notebook: str | None = None
+
+
+def results_dir() -> Path:
+    custom = os.environ.get("COURSE_RESULTS_DIR")
+    return Path(custom).expanduser() if custom else REPO_ROOT / "results"
+
+
+def set_notebook(name: str) -> None:
+    """Name the notebook whose figures :func:`record` writes (``01_memory_accounting``)."""
+    global _current_notebook
+    _check_name(name, "notebook name")
+    _current_notebook = name
+
+
+def current_notebook() -> str | None:
+    return _current_notebook
+
+
+def _check_name(name, what: str) -> None:
+    if not isinstance(name, str) or not _NAME_RE.match(name):
+        raise ValueError(
+            f"{what} {name!r} must be a non-empty string of letters, digits, '_', '-' or '.', "
+            "for example 'gpt2_xl_params'."
+        )
+
+
+def record(name: str, value, unit: str, *, notebook: str | None = None) -> dict:
+    """Append one headline figure to ``results/<notebook>.json`` and return its entry."""
+    _check_name(name, "figure name")
+    notebook = notebook or _current_notebook
+    if notebook is None:
+        raise ValueError(
+            "record() does not know which notebook this is: call course_utils.setup('NN_topic') "
+            "in the notebook's first cell, or pass notebook='NN_topic'."
+        )
+    _check_name(notebook, "notebook name")
+    if not isinstance(unit, str):
+        raise TypeError(f"unit must be a string such as 'GiB', 'bytes' or 'ratio', not {type(unit).__name__}.")
+    if hasattr(value, "item") and callable(value.item):  # numpy or torch scalar
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float, str, list, tuple)):
+        if not isinstance(value, bool):
+            raise TypeError(
+                f"value for {name!r} must be a number, a string or a list of them, not {type(value).__name__}."
+            )
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"value for {name!r} is {value}; record a finite number.")
+    if isinstance(value, tuple):
+        value = list(value)
+    entry = {"value": value, "unit": unit, "profile": hardware.course_profile(), "device": hardware.device_type()}
+    folder = results_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{notebook}.json"
+    data = load_notebook(notebook, folder)
+    data[name] = entry
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)  # atomic: a crash mid-write never leaves half a file
+    return entry
+
+
+def load_notebook(notebook: str, folder: str | Path | None = None) -> dict:
+    path = Path(folder or results_dir()) / f"{notebook}.json"
+    if not path.exists():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path} is not valid JSON ({err}); delete it and re-run the notebook.") from None
+
+
+def load_all(folder: str | Path | None = None) -> dict[str, dict]:
+    """``{notebook: {figure: entry}}`` for every results file in the folder."""
+    folder = Path(folder or results_dir())
+    if not folder.is_dir():
+        raise ValueError(f"No results folder at {folder}: run a notebook first, or pass the folder that holds them.")
+    return {p.stem: load_notebook(p.stem, folder) for p in sorted(folder.glob("*.json"))}
