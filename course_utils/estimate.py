@@ -140,9 +140,40 @@ def training_state_bytes(n_params: int, *, optimizer: str = "adam", param_dtype=
     )
 
 
-def _saved_tensor_bytes(fn, params: set) -> tuple[int, int]:
-    """Run fn() and return (bytes of tensors autograd saved, excluding parameters; output bytes)."""
-    seen: dict = {}
+def _param_keys(model: nn.Module) -> set:
+    keys = set()
+    for p in model.parameters():
+        keys.add(id(p))
+        try:
+            keys.add((p.device.type, p.untyped_storage().data_ptr()))
+        except Exception:
+            pass
+    return keys
+
+
+def _forward_profile(model: nn.Module, inputs, kwargs) -> dict:
+    """One forward pass in train mode, recording what autograd saves and when.
+
+    Each call of a leaf module opens a *segment*; a saved tensor belongs to the segment during
+    which it was first saved (ops outside modules, such as residual adds, join the segment of the
+    module called last). A parameter's gradient appears in backward when backward reaches the
+    last segment that used it.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"Expected a torch.nn.Module, not {type(model).__name__}.")
+    if not inputs and not kwargs:
+        raise ValueError("Pass an example input, e.g. activation_bytes(model, torch.randn(8, 1, 28, 28)).")
+    params = _param_keys(model)
+    leaf_modules = {id(m) for m in model.modules() if not list(m.children())}
+    segments: list[dict] = [{"saved": 0, "largest": 0}]  # segment 0: before any module runs
+    seen: set = set()
+    last_use: dict = {}
+
+    def pre_hook(module, args):
+        if id(module) in leaf_modules:
+            segments.append({"saved": 0, "largest": 0})
+            for p in module.parameters(recurse=False):
+                last_use[id(p)] = (len(segments) - 1, p.numel() * p.element_size())
 
     def pack(t: torch.Tensor):
         storage = t.untyped_storage()
@@ -151,36 +182,42 @@ def _saved_tensor_bytes(fn, params: set) -> tuple[int, int]:
         except Exception:
             key = id(storage)
         if id(t) not in params and key not in params and key not in seen:
-            seen[key] = storage.nbytes()
+            seen.add(key)
+            segments[-1]["saved"] += storage.nbytes()
+            segments[-1]["largest"] = max(segments[-1]["largest"], storage.nbytes())
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    return sum(seen.values()), out
-
-
-def _forward_profile(model: nn.Module, inputs, kwargs) -> dict:
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"Expected a torch.nn.Module, not {type(model).__name__}.")
-    if not inputs and not kwargs:
-        raise ValueError("Pass an example input, e.g. activation_bytes(model, torch.randn(8, 1, 28, 28)).")
-    param_keys = set()
-    for p in model.parameters():
-        param_keys.add(id(p))
-        try:
-            param_keys.add((p.device.type, p.untyped_storage().data_ptr()))
-        except Exception:
-            pass
     was_training = model.training
     model.train()
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(pre_hook)
     try:
-        saved, out = _saved_tensor_bytes(lambda: model(*inputs, **kwargs), param_keys)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = model(*inputs, **kwargs)
     finally:
+        handle.remove()
         model.train(was_training)
     outs = [t.untyped_storage().nbytes() for t in _tensors_in(out)]
     ins = [t.untyped_storage().nbytes() for t in _tensors_in((inputs, kwargs))]
     del out
-    return {"saved": saved, "output": sum(outs), "largest_output": max(outs, default=0), "inputs": sum(ins)}
+    saved = sum(seg["saved"] for seg in segments)
+    output_bytes, largest_output = sum(outs), max(outs, default=0)
+
+    # Walk backward through the segments: the activations of segment s are freed once backward
+    # has passed it; the gradients of parameters last used in segments >= s exist by then.
+    grads_at = [0] * len(segments)
+    for seg_index, nbytes in last_use.values():
+        grads_at[seg_index] += nbytes
+    live = saved + output_bytes
+    grads = 0
+    backward_peak = 0
+    last = len(segments) - 1
+    for s in range(last, -1, -1):
+        grads += grads_at[s]
+        temps = 2 * largest_output if s == last else segments[s]["largest"]
+        backward_peak = max(backward_peak, live + grads + temps)
+        live -= segments[s]["saved"] + (output_bytes if s == last else 0)
+    return {"saved": saved, "output": output_bytes, "largest_output": largest_output, "inputs": sum(ins),
+            "backward_peak": backward_peak, "grads_bytes": sum(b for _, b in last_use.values())}
 
 
 def activation_bytes(model: nn.Module, *inputs, **kwargs) -> int:
@@ -275,17 +312,21 @@ def estimate_training_memory(model: nn.Module, *inputs, optimizer: str = "adam",
     state = training_state_bytes(n, optimizer=opt, param_dtype=dtype, tensor_sizes=sizes)
     profile = _forward_profile(model, inputs, kwargs)
     acts = profile["saved"] + profile["output"]
-    backward_temps = 2 * profile["largest_output"]
     scratch = step_scratch_bytes(sizes, opt, param_dtype=dtype, foreach=params[0].device.type == "cuda")
-    backward_peak = acts + backward_temps
-    step_peak = scratch + profile["inputs"]
-    by_category = {"params": state.params, "grads": state.grads, "optimizer": state.optimizer}
-    if backward_peak >= step_peak:
-        by_category.update(activations=acts, other=backward_temps)
-        where = "at the start of backward"
+    # activations not yet freed + gradients made so far + temporaries, at backward's highest point
+    backward_transient = profile["backward_peak"]
+    step_transient = state.grads + scratch + profile["inputs"]
+    by_category = {"params": state.params, "optimizer": state.optimizer}
+    if backward_transient >= step_transient:
+        grads_then = min(state.grads, backward_transient)
+        acts_then = min(acts, backward_transient - grads_then)
+        by_category.update(grads=grads_then, activations=acts_then,
+                           other=backward_transient - grads_then - acts_then)
+        where = "during backward"
     else:
-        by_category.update(activations=profile["inputs"], other=scratch)
+        by_category.update(grads=state.grads, activations=profile["inputs"], other=scratch)
         where = "in optimizer.step()"
+    by_category = {k: by_category[k] for k in ("params", "grads", "optimizer", "activations", "other")}
     return MemoryEstimate(
         by_category=by_category,
         n_params=n,

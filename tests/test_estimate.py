@@ -1,0 +1,110 @@
+"""course_utils.estimate: the arithmetic, and predictions within 10% of measure_memory."""
+import pytest
+import timm
+import torch
+from torch import nn
+
+from course_utils import estimate, models
+from course_utils.memory import measure_memory
+
+
+def test_sixteen_bytes_per_param_mixed_precision_adam():
+    n = 1_000_000_000
+    tb = estimate.training_state_bytes(n, optimizer="adam", param_dtype="fp16", master_weights=True)
+    assert (tb.params, tb.grads, tb.optimizer, tb.master_weights) == (2 * n, 2 * n, 8 * n, 4 * n)
+    assert tb.per_param(n) == 16
+
+
+def test_fp32_adam_is_16_gb_for_1e9_params():
+    tb = estimate.training_state_bytes(10**9, optimizer="adam")
+    assert tb.total == 16 * 10**9
+
+
+def test_gpt2_xl_fp32_adam():
+    tb = estimate.training_state_bytes(models.GPT2_XL_PARAMS, optimizer="adamw")
+    assert round(tb.params / 1024**3, 1) == 5.8
+    assert round(tb.total / 1024**3, 1) == 23.2
+
+
+@pytest.mark.parametrize("opt, per_param", [("sgd", 0), ("sgd_momentum", 4), ("adam", 8), ("AdamW", 8), ("SGD+momentum", 4)])
+def test_state_bytes_per_optimizer(opt, per_param):
+    assert estimate.optimizer_state_bytes(1000, opt) == per_param * 1000
+
+
+def test_8bit_adam_state():
+    big = 256 * 100
+    # two uint8 states + one fp32 absmax per 256-block each
+    assert estimate.optimizer_state_bytes(big, "adam8bit") == 2 * big + 2 * 4 * 100
+    # tensors under 4096 elements keep 32-bit state in bitsandbytes
+    assert estimate.optimizer_state_bytes(100, "adam8bit", tensor_sizes=[100]) == 800
+
+
+def test_dtype_names():
+    assert estimate.bytes_per_element("fp32") == 4
+    assert estimate.bytes_per_element("bf16") == 2
+    assert estimate.bytes_per_element(torch.float16) == 2
+    assert estimate.bytes_per_element("int8") == 1
+
+
+def test_activation_bytes_counts_saved_tensors_not_parameters():
+    lin = nn.Linear(100, 50)
+    x = torch.randn(8, 100)
+    # Linear saves its input (8x100 fp32) for the weight gradient; the output is 8x50
+    assert estimate.activation_bytes(lin, x) == 8 * 100 * 4 + 8 * 50 * 4
+
+
+def _measure_step(model, opt, inputs, loss_of):
+    def step():
+        loss_of(model(**inputs) if isinstance(inputs, dict) else model(inputs)).backward()
+        opt.step()
+        opt.zero_grad()
+
+    step()  # warm-up: the optimizer state exists from then on
+    return measure_memory(step, model=model, optimizer=opt)
+
+
+def _ce(out):
+    logits = out.logits if hasattr(out, "logits") else out
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), torch.zeros(logits.shape[:-1].numel(), dtype=torch.long))
+
+
+CASES = [
+    ("mlp", lambda: models.mlp(n_layers=2, width=256), lambda b: torch.randn(b, 1, 28, 28), (16, 128)),
+    ("resnet18", lambda: timm.create_model("resnet18", in_chans=1, num_classes=10), lambda b: torch.randn(b, 1, 48, 48), (4, 16)),
+    ("gpt2", lambda: models.build_gpt2("gpt2", n_layer=2, n_embd=64, n_head=4, vocab_size=500, n_positions=128),
+     lambda b: {"input_ids": torch.randint(0, 500, (b, 64))}, (2, 8)),
+]
+
+
+@pytest.mark.parametrize("name, build, make_input, batches", CASES, ids=[c[0] for c in CASES])
+def test_estimate_within_10_percent_of_measurement(name, build, make_input, batches):
+    torch.manual_seed(0)
+    for batch in batches:
+        model = build()
+        opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+        inputs = make_input(batch)
+        measured = _measure_step(model, opt, inputs, _ce)
+        predicted = (estimate.estimate_training_memory(model, **inputs) if isinstance(inputs, dict)
+                     else estimate.estimate_training_memory(model, inputs))
+        error = abs(predicted.peak_bytes - measured.peak_bytes) / measured.peak_bytes
+        assert error <= 0.10, f"{name} batch {batch}: predicted {predicted.peak_bytes}, measured {measured.peak_bytes}"
+
+
+@pytest.mark.parametrize(
+    "call, error, match",
+    [
+        (lambda: estimate.optimizer_state_bytes(-5, "adam"), ValueError, "positive"),
+        (lambda: estimate.optimizer_state_bytes(0, "adam"), ValueError, "positive"),
+        (lambda: estimate.optimizer_state_bytes(10, "lion"), ValueError, "choose one of"),
+        (lambda: estimate.optimizer_state_bytes(10, 3), TypeError, "name"),
+        (lambda: estimate.bytes_per_element("fp12"), ValueError, "Unknown dtype"),
+        (lambda: estimate.training_state_bytes(2.5), TypeError, "whole number"),
+        (lambda: estimate.activation_bytes("model", torch.ones(1)), TypeError, "nn.Module"),
+        (lambda: estimate.activation_bytes(nn.Linear(2, 2)), ValueError, "example input"),
+        (lambda: estimate.count_params([1, 2]), TypeError, "nn.Module"),
+        (lambda: estimate.step_scratch_bytes([], "adam"), ValueError, "numel"),
+    ],
+)
+def test_bad_input(call, error, match):
+    with pytest.raises(error, match=match):
+        call()
