@@ -1,0 +1,161 @@
+"""Run the whole course under nbval and write a report (Markdown + JSON).
+
+    python -m course_utils.validate --profile full  --out report/      # on a GPU machine
+    python -m course_utils.validate --profile smoke --out report/      # dry run on a CPU
+
+Per notebook: pass/fail, wall time, peak GPU memory seen by ``nvidia-smi`` while it ran (the
+whole device, CUDA context included, as a learner would see it), and the figures it recorded.
+Exits non-zero when any notebook fails. ``scripts/validate_gpu.sh`` wraps it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from . import results
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+class GpuMemoryPoller:
+    """Polls ``nvidia-smi`` for used memory (MiB) in a background thread; max over the run."""
+
+    def __init__(self, interval_s: float = 0.5):
+        if not interval_s > 0:
+            raise ValueError("interval_s must be positive.")
+        self.interval_s = interval_s
+        self.available = shutil.which("nvidia-smi") is not None
+        self.peak_mib: float | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _read(self) -> float | None:
+        try:
+            out = subprocess.run(
+                ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                capture_output=True, text=True, timeout=10,
+            ).stdout
+            values = [float(v) for v in out.split() if v.strip()]
+            return max(values) if values else None
+        except (OSError, ValueError, subprocess.SubprocessError):
+            return None
+
+    def _loop(self):
+        while not self._stop.is_set():
+            value = self._read()
+            if value is not None:
+                self.peak_mib = value if self.peak_mib is None else max(self.peak_mib, value)
+            self._stop.wait(self.interval_s)
+
+    def __enter__(self):
+        if self.available:
+            self._thread = threading.Thread(target=self._loop, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=15)
+
+
+def notebooks_in(folder: Path, only: list[str] | None = None) -> list[Path]:
+    paths = sorted(p for p in folder.glob("[0-9][0-9]_*.ipynb"))
+    if only:
+        wanted = set(only)
+        unknown = wanted - {p.stem for p in paths} - {p.name for p in paths}
+        if unknown:
+            raise ValueError(f"Unknown notebook(s) {sorted(unknown)}; choose from {[p.stem for p in paths]}.")
+        paths = [p for p in paths if p.stem in wanted or p.name in wanted]
+    if not paths:
+        raise ValueError(f"No notebooks (NN_topic.ipynb) found in {folder}.")
+    return paths
+
+
+def run_notebook(path: Path, *, profile: str, results_dir: Path, log_dir: Path, timeout_s: int) -> dict:
+    env = dict(os.environ, COURSE_PROFILE=profile, COURSE_RESULTS_DIR=str(results_dir))
+    cmd = [sys.executable, "-m", "pytest", str(path), "-q", "-p", "no:cacheprovider",
+           "--rootdir", str(REPO_ROOT), "-c", str(REPO_ROOT / "pyproject.toml")]
+    log_path = log_dir / f"{path.stem}.log"
+    start = time.perf_counter()
+    with GpuMemoryPoller() as poller, open(log_path, "w") as log:
+        try:
+            proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s)
+            rc = proc.returncode
+        except subprocess.TimeoutExpired:
+            rc = 124
+    seconds = time.perf_counter() - start
+    return {
+        "notebook": path.stem,
+        "passed": rc == 0,
+        "exit_code": rc,
+        "wall_s": round(seconds, 1),
+        "peak_gpu_mib": poller.peak_mib,
+        "figures": results.load_notebook(path.stem, results_dir),
+        "log": str(log_path.relative_to(log_dir.parent)) if log_dir.parent in log_path.parents else str(log_path),
+    }
+
+
+def write_report(rows: list[dict], out: Path, *, profile: str) -> tuple[Path, Path]:
+    from .hardware import banner
+
+    out.mkdir(parents=True, exist_ok=True)
+    summary = {"profile": profile, "machine": banner(), "passed": all(r["passed"] for r in rows), "notebooks": rows}
+    json_path = out / "report.json"
+    json_path.write_text(json.dumps(summary, indent=2) + "\n")
+    lines = [f"# Course validation report ({profile})", "", f"`{banner()}`", "",
+             "| notebook | result | wall time | peak GPU memory | figures |", "|---|---|---|---|---|"]
+    for r in rows:
+        peak = f"{r['peak_gpu_mib'] / 1024:.2f} GiB" if r["peak_gpu_mib"] is not None else "n/a (no nvidia-smi)"
+        figures = "<br>".join(f"{k} = {_fmt(v['value'])} {v['unit']}" for k, v in sorted(r["figures"].items()))
+        lines.append(f"| {r['notebook']} | {'pass' if r['passed'] else 'FAIL (exit ' + str(r['exit_code']) + ')'} "
+                     f"| {r['wall_s']:.0f} s | {peak} | {figures or '-'} |")
+    passed = sum(r["passed"] for r in rows)
+    lines += ["", f"{passed} passed, {len(rows) - passed} failed"]
+    md_path = out / "report.md"
+    md_path.write_text("\n".join(lines) + "\n")
+    return md_path, json_path
+
+
+def _fmt(value) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Run every notebook under nbval and write a report.")
+    parser.add_argument("--profile", choices=("smoke", "full"), default="full")
+    parser.add_argument("--out", default=str(REPO_ROOT / "report"), help="report folder (default: report/)")
+    parser.add_argument("--notebooks", nargs="*", help="only these notebooks (stems), default all")
+    parser.add_argument("--timeout", type=int, default=3600, help="seconds per notebook (default 3600)")
+    parser.add_argument("--notebooks-dir", default=str(REPO_ROOT / "notebooks"))
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    try:
+        paths = notebooks_in(Path(args.notebooks_dir), args.notebooks)
+    except ValueError as err:
+        print(f"validate: {err}", file=sys.stderr)
+        return 2
+    results_dir, log_dir = out / "results", out / "logs"
+    for folder in (results_dir, log_dir):
+        folder.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for path in paths:
+        print(f"[validate] {path.stem} (profile {args.profile}) ...", flush=True)
+        row = run_notebook(path, profile=args.profile, results_dir=results_dir, log_dir=log_dir, timeout_s=args.timeout)
+        print(f"[validate] {path.stem}: {'pass' if row['passed'] else 'FAIL'} in {row['wall_s']:.0f} s", flush=True)
+        rows.append(row)
+    md_path, json_path = write_report(rows, out, profile=args.profile)
+    print(md_path.read_text())
+    print(f"[validate] report: {md_path} and {json_path}")
+    return 0 if all(r["passed"] for r in rows) else 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

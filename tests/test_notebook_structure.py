@@ -1,0 +1,99 @@
+"""Every notebook follows the course anatomy: Colab badge from the canonical URL, the bootstrap
+cell first, a `parameters` settings cell, an exercise, a recap, and a place in the README."""
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from course_utils import colab
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+URL = colab.canonical_repo_url()
+
+BOOTSTRAP = re.compile(
+    r'^# Setup\. On Colab this installs the course helpers.*\n'
+    r'(#.*\n)*'
+    r'import importlib\.util, subprocess, sys\n'
+    r'COURSE_REPO = "(?P<url>[^"]+)"\n'
+    r'if "google\.colab" in sys\.modules and importlib\.util\.find_spec\("course_utils"\) is None:\n'
+    r'    subprocess\.run\(\[sys\.executable, "-m", "pip", "install", "-q", "--no-deps", f"git\+\{COURSE_REPO\}"\], check=True\)\n'
+    r'import course_utils\n'
+    r'course_utils\.bootstrap\.ensure_packages\(\[(?P<packages>[^\]]*)\]\)\n'
+    r'PROFILE = course_utils\.setup\("(?P<name>[^"]+)"\)\s*$'
+)
+
+
+def _cells(path):
+    nb = json.loads(path.read_text())
+    return [(c["cell_type"], "".join(c["source"]), c.get("metadata", {})) for c in nb["cells"]]
+
+
+def test_there_are_notebooks():
+    assert len(NOTEBOOKS) >= 1
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_title_cell_has_badge_with_canonical_url(path):
+    kind, source, _ = _cells(path)[0]
+    assert kind == "markdown" and source.startswith("# "), "the first cell is the title"
+    assert colab.badge(URL, f"notebooks/{path.name}") in source, "run: python scripts/sync_colab.py"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_first_code_cell_is_the_bootstrap(path):
+    code = [source for kind, source, _ in _cells(path) if kind == "code"]
+    match = BOOTSTRAP.match(code[0])
+    assert match, f"{path.name}: the first code cell must be the standard bootstrap cell"
+    assert match["url"] == URL
+    assert match["name"] == path.stem, "course_utils.setup() must name the notebook after its file"
+    assert "torch" not in match["packages"].replace("torchvision", ""), "the bootstrap never installs torch"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_anatomy(path):
+    cells = _cells(path)
+    assert any("parameters" in meta.get("tags", []) for kind, _, meta in cells if kind == "code"), \
+        "one settings cell tagged `parameters`"
+    markdown = "\n".join(source for kind, source, _ in cells if kind == "markdown").lower()
+    assert "recap" in markdown
+    assert "exercise" in markdown
+    assert "question" in markdown
+    code = "\n".join(source for kind, source, _ in cells if kind == "code")
+    assert "check_exercise" in code or "checks.check_" in code, "an exercise with an auto-check"
+    assert "results.record(" in code, "headline figures are recorded"
+    assert "torch.cuda.amp" not in code, "use torch.amp (torch.cuda.amp is deprecated)"
+
+
+def test_readme_syllabus_lists_every_notebook_with_badge():
+    readme = (ROOT / "README.md").read_text()
+    for path in NOTEBOOKS:
+        assert f"notebooks/{path.name}" in readme
+        assert colab.badge(URL, f"notebooks/{path.name}") in readme
+
+
+def test_everything_in_sync_with_pyproject_url():
+    assert colab.sync(check=True) == [], "run: python scripts/sync_colab.py"
+
+
+def test_sync_rewrites_a_changed_url(tmp_path):
+    (tmp_path / "notebooks").mkdir()
+    for path in NOTEBOOKS[:1]:
+        shutil.copy(path, tmp_path / "notebooks" / path.name)
+    shutil.copy(ROOT / "README.md", tmp_path / "README.md")
+    text = (ROOT / "pyproject.toml").read_text().replace(URL, "https://github.com/someone-else/fork")
+    (tmp_path / "pyproject.toml").write_text(text)
+    changed = colab.sync(tmp_path)
+    assert "README.md" in changed
+    if NOTEBOOKS:
+        nb_text = (tmp_path / "notebooks" / NOTEBOOKS[0].name).read_text()
+        assert "someone-else/fork" in nb_text and URL not in nb_text
+    assert colab.sync(tmp_path, check=True) == []
+
+
+def test_bad_repository_url(tmp_path):
+    (tmp_path / "pyproject.toml").write_text('[project.urls]\nRepository = "not a url"\n')
+    with pytest.raises(ValueError, match="GitHub URL"):
+        colab.canonical_repo_url(tmp_path / "pyproject.toml")
