@@ -62,7 +62,7 @@ def test_anatomy(path):
     assert "exercise" in markdown
     assert "question" in markdown
     code = "\n".join(source for kind, source, _ in cells if kind == "code")
-    assert "check_exercise" in code or "checks.check_" in code, "an exercise with an auto-check"
+    assert re.search(r"check_\w*\(", code), "an exercise with an auto-check (checks.check_exercise or a check_* helper)"
     assert "results.record(" in code, "headline figures are recorded"
     assert "torch.cuda.amp" not in code, "use torch.amp (torch.cuda.amp is deprecated)"
 
