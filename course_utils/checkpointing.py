@@ -1,0 +1,664 @@
+"""Gradient checkpointing on an abstract chain: the f/b node graph of notebook 03.
+
+An n-layer chain has forward nodes ``f1..fn`` (the activations) and backward nodes ``b1..bn``
+(the gradients with respect to them)::
+
+    x -> f1 -> f2 -> ... -> fn
+         |     |            |
+         b1 <- b2 <- ... <- bn
+
+``f_i`` needs ``f_{i-1}`` (``f0`` is the input ``x``, held by the data loader and not counted);
+``b_n`` needs ``f_n``; ``b_i`` needs ``f_i`` and ``b_{i+1}``. A node is *live* (in memory) from the
+step that computes it until the last step that needs it. :func:`simulate` executes a strategy
+step by step and returns the timeline of live nodes, the peak memory and the number of forward
+computations:
+
+``store_all``      keep every ``f`` node from the forward pass: memory O(n), n forward computations.
+``recompute_all``  keep nothing; recompute each ``f_i`` from the input when ``b_i`` needs it:
+                   memory O(1) (3 nodes), n(n+1)/2 forward computations.
+``every_k``        keep every k-th node (checkpoints ``f_k, f_2k, ...``; k defaults to sqrt(n)); in the
+                   backward pass recompute one segment from its checkpoint and keep it until used:
+                   memory about 2*sqrt(n), about one extra forward pass (Chen et al. 2016).
+``checkpoints``    the same with any set of checkpoint positions.
+
+Memory is counted in nodes, or in bytes when the nodes have sizes (``sizes[i-1]`` is the size of
+``f_i``; ``b_i`` has the size of ``f_i``, as a gradient has its activation's shape). A step's
+memory is measured while it computes: its inputs and its output are all live.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+from numbers import Real
+from typing import Iterable, Sequence
+
+STRATEGIES = ("store_all", "recompute_all", "every_k", "checkpoints")
+STRATEGY_LABELS = {
+    "store_all": "keep everything",
+    "recompute_all": "recompute everything",
+    "every_k": "checkpoint every k (sqrt n)",
+    "checkpoints": "chosen checkpoints",
+}
+MAX_LIVE_RECORD = 200  # record the live set of every step only for chains up to this length
+MAX_BRUTE_FORCE_N = 16
+
+
+# --------------------------------------------------------------------------------------------
+# argument checks
+# --------------------------------------------------------------------------------------------
+def _check_n(n) -> int:
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise TypeError(f"n (the number of layers) must be an int, not {type(n).__name__}.")
+    if n < 1:
+        raise ValueError(f"n (the number of layers) must be at least 1, got {n}.")
+    return n
+
+
+def _check_sizes(sizes, n: int) -> tuple:
+    if sizes is None:
+        return (1,) * n
+    if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Iterable):
+        raise TypeError(f"sizes must be a list of {n} positive numbers (one per layer), not {type(sizes).__name__}.")
+    sizes = tuple(sizes)
+    if len(sizes) != n:
+        raise ValueError(f"sizes has {len(sizes)} entries but the chain has n={n} layers: give one size per layer.")
+    for i, s in enumerate(sizes, start=1):
+        if isinstance(s, bool) or not isinstance(s, Real) or not math.isfinite(s) or s <= 0:
+            raise ValueError(f"sizes[{i - 1}] (the size of f{i}) must be a positive number, got {s!r}.")
+    return sizes
+
+
+def _check_positions(checkpoints, n: int) -> tuple:
+    if checkpoints is None:
+        raise ValueError("strategy 'checkpoints' needs checkpoints=[positions], e.g. checkpoints=[3, 6].")
+    if isinstance(checkpoints, (str, bytes)) or not isinstance(checkpoints, Iterable):
+        raise TypeError(f"checkpoints must be a list of layer positions (ints 1..n), not {type(checkpoints).__name__}.")
+    out = set()
+    for c in checkpoints:
+        if isinstance(c, bool) or not isinstance(c, int):
+            raise TypeError(f"checkpoint positions must be ints between 1 and n={n}, got {c!r}.")
+        if not 1 <= c <= n:
+            raise ValueError(f"checkpoint position {c} is outside the chain: use positions between 1 and n={n}.")
+        out.add(c)
+    return tuple(sorted(out))
+
+
+def default_k(n: int) -> int:
+    """The sqrt(n) spacing: round(sqrt(n)), at least 1."""
+    _check_n(n)
+    return max(1, round(math.sqrt(n)))
+
+
+# --------------------------------------------------------------------------------------------
+# the simulator
+# --------------------------------------------------------------------------------------------
+@dataclass
+class ChainSchedule:
+    """The result of :func:`simulate`: one entry per step (node computation)."""
+
+    n: int
+    strategy: str
+    checkpoints: tuple  # positions of the f nodes kept from the first forward pass
+    sizes: tuple
+    ops: list = field(repr=False)  # "f3", "b3", ... in execution order
+    recomputed: list = field(repr=False)  # True where the step recomputes an f node
+    memory: list = field(repr=False)  # memory while the step runs (nodes or bytes)
+    live_nodes: list = field(repr=False)  # number of live nodes while the step runs
+    live: list | None = field(default=None, repr=False)  # frozensets of ("f"|"b", i), if recorded
+    peak_memory: float = 0
+    peak_nodes: int = 0
+    forward_count: int = 0
+
+    @property
+    def steps(self) -> int:
+        return len(self.ops)
+
+    @property
+    def recompute_count(self) -> int:
+        """Forward computations beyond the first forward pass."""
+        return self.forward_count - self.n
+
+    @property
+    def forward_ratio(self) -> float:
+        """Forward computations / n: 1 without recomputation, 2 is one extra forward pass."""
+        return self.forward_count / self.n
+
+    @property
+    def unit_sizes(self) -> bool:
+        return all(s == 1 for s in self.sizes)
+
+    @property
+    def label(self) -> str:
+        return STRATEGY_LABELS[self.strategy]
+
+    def live_at(self, t: int) -> frozenset:
+        """The nodes live while step ``t`` (0-based) runs, as ("f"|"b", i) pairs."""
+        if self.live is None:
+            raise ValueError(
+                f"This schedule did not record live sets (n={self.n}); simulate(..., record_live=True) "
+                f"records them (fine for n up to a few hundred)."
+            )
+        if isinstance(t, bool) or not isinstance(t, int):
+            raise TypeError(f"t must be an int step index, not {type(t).__name__}.")
+        if not 0 <= t < self.steps:
+            raise ValueError(f"step t={t} is outside the schedule: use 0..{self.steps - 1}.")
+        return self.live[t]
+
+    def to_frame(self):
+        """A pandas DataFrame: step, op, recompute, live_nodes, memory."""
+        import pandas as pd
+
+        return pd.DataFrame(
+            {
+                "step": range(self.steps),
+                "op": self.ops,
+                "recompute": self.recomputed,
+                "live_nodes": self.live_nodes,
+                "memory": self.memory,
+            }
+        )
+
+    def summary(self) -> dict:
+        return {
+            "strategy": self.label,
+            "n": self.n,
+            "checkpoints": len(self.checkpoints) if self.strategy not in ("store_all", "recompute_all") else None,
+            "peak_nodes": self.peak_nodes,
+            "peak_memory": self.peak_memory,
+            "forward_computations": self.forward_count,
+            "forward_ratio": self.forward_ratio,
+        }
+
+
+def simulate(
+    n: int,
+    strategy: str = "every_k",
+    *,
+    k: int | None = None,
+    checkpoints: Sequence[int] | None = None,
+    sizes: Sequence[float] | None = None,
+    record_live: bool | None = None,
+) -> ChainSchedule:
+    """Execute a checkpointing strategy on an n-layer chain, one node computation per step.
+
+    Args:
+        n: number of layers (forward nodes f1..fn, backward nodes b1..bn).
+        strategy: one of ``STRATEGIES`` (see the module docstring).
+        k: checkpoint spacing for ``every_k`` (default ``round(sqrt(n))``).
+        checkpoints: positions (1..n) of the kept f nodes for ``checkpoints``.
+        sizes: size of each f node (b_i has f_i's size); memory is then in these units.
+        record_live: keep the live set of every step (default: when n <= 200).
+
+    Rules: the forward pass frees f_{i-1} once f_i is computed unless f_{i-1} is kept (all are kept
+    by ``store_all``, the checkpoints by the checkpoint strategies, none by ``recompute_all``).
+    In the backward pass, when b_i needs an f_i that is not live, the nodes from the nearest live
+    f node below (or the input) up to f_i are recomputed; the checkpoint strategies keep them until
+    their b node is done, ``recompute_all`` keeps only the last. After b_i, f_i and b_{i+1} are freed.
+    """
+    _check_n(n)
+    if strategy not in STRATEGIES:
+        raise ValueError(f"Unknown strategy {strategy!r}; choose one of {STRATEGIES}.")
+    sizes = _check_sizes(sizes, n)
+    if k is not None and strategy != "every_k":
+        raise ValueError(f"k is the spacing of strategy 'every_k'; strategy {strategy!r} does not use it.")
+    if checkpoints is not None and strategy != "checkpoints":
+        raise ValueError(f"checkpoints=... goes with strategy='checkpoints', not {strategy!r}.")
+    if strategy == "store_all":
+        stored, keep_recomputed = tuple(range(1, n + 1)), True
+    elif strategy == "recompute_all":
+        stored, keep_recomputed = (), False
+    elif strategy == "every_k":
+        if k is None:
+            k = default_k(n)
+        if isinstance(k, bool) or not isinstance(k, int):
+            raise TypeError(f"k (the checkpoint spacing) must be an int, not {type(k).__name__}.")
+        if not 1 <= k <= n:
+            raise ValueError(f"k (the checkpoint spacing) must be between 1 and n={n}, got {k}.")
+        stored, keep_recomputed = tuple(range(k, n + 1, k)), True
+    else:
+        stored, keep_recomputed = _check_positions(checkpoints, n), True
+    if record_live is None:
+        record_live = n <= MAX_LIVE_RECORD
+    return _run(n, strategy, stored, keep_recomputed, sizes, bool(record_live))
+
+
+def _run(n, strategy, stored, keep_recomputed, sizes, record_live) -> ChainSchedule:
+    stored_set = set(stored)
+    live: dict = {}  # node -> size (insertion order irrelevant)
+    f_live = [False] * (n + 1)  # f_live[i]: f_i is live; f_live[0] (the input) is always True
+    f_live[0] = True
+    state = {"mem": 0, "peak_mem": 0, "peak_nodes": 0, "fwd": 0}
+    ops, recomputed, memory, counts, lives = [], [], [], [], ([] if record_live else None)
+
+    def alloc(node):
+        live[node] = sizes[node[1] - 1]
+        state["mem"] += live[node]
+        if node[0] == "f":
+            f_live[node[1]] = True
+
+    def free(node):
+        if node in live:
+            state["mem"] -= live.pop(node)
+            if node[0] == "f":
+                f_live[node[1]] = False
+
+    def compute(node, is_recompute):
+        alloc(node)
+        ops.append(f"{node[0]}{node[1]}")
+        recomputed.append(is_recompute)
+        memory.append(state["mem"])
+        counts.append(len(live))
+        state["peak_mem"] = max(state["peak_mem"], state["mem"])
+        state["peak_nodes"] = max(state["peak_nodes"], len(live))
+        if node[0] == "f":
+            state["fwd"] += 1
+        if lives is not None:
+            lives.append(frozenset(live))
+
+    # forward pass
+    for i in range(1, n + 1):
+        compute(("f", i), False)
+        if i > 1 and (i - 1) not in stored_set:
+            free(("f", i - 1))
+    # backward pass
+    for i in range(n, 0, -1):
+        if not f_live[i]:
+            j = i - 1
+            while not f_live[j]:
+                j -= 1
+            for m in range(j + 1, i + 1):
+                compute(("f", m), True)
+                if not keep_recomputed and m - 1 > j:
+                    free(("f", m - 1))
+        compute(("b", i), False)
+        free(("f", i))
+        if i < n:
+            free(("b", i + 1))
+    # float sizes accumulate rounding noise; report memory exactly when sizes are ints
+    return ChainSchedule(
+        n=n,
+        strategy=strategy,
+        checkpoints=tuple(stored),
+        sizes=tuple(sizes),
+        ops=ops,
+        recomputed=recomputed,
+        memory=memory,
+        live_nodes=counts,
+        live=lives,
+        peak_memory=state["peak_mem"],
+        peak_nodes=state["peak_nodes"],
+        forward_count=state["fwd"],
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# sweeps and searches
+# --------------------------------------------------------------------------------------------
+def sweep(ns: Iterable[int], strategies: Sequence[str] = ("store_all", "recompute_all", "every_k")):
+    """Simulate each strategy for each n; a DataFrame with n, strategy, peak_nodes, forward_computations."""
+    import pandas as pd
+
+    if isinstance(ns, int) or not isinstance(ns, Iterable):
+        raise TypeError("ns must be a list of chain lengths, e.g. [4, 16, 64, 256, 1024].")
+    ns = [_check_n(n) for n in ns]
+    if not ns:
+        raise ValueError("ns is empty: give at least one chain length.")
+    for s in strategies:
+        if s not in STRATEGIES or s == "checkpoints":
+            raise ValueError(f"sweep strategies must be among {STRATEGIES[:3]}, got {s!r}.")
+    rows = []
+    for n in ns:
+        for s in strategies:
+            sched = simulate(n, s, record_live=False)
+            rows.append(sched.summary())
+    return pd.DataFrame(rows)
+
+
+def segment_checkpoints(n: int, segments: int) -> tuple:
+    """Checkpoint positions that cut an n-layer chain into ``segments`` nearly equal segments."""
+    _check_n(n)
+    if isinstance(segments, bool) or not isinstance(segments, int):
+        raise TypeError(f"segments must be an int, not {type(segments).__name__}.")
+    if not 1 <= segments <= n:
+        raise ValueError(f"segments must be between 1 and n={n}, got {segments}.")
+    return tuple(sorted({round(i * n / segments) for i in range(1, segments + 1)}))
+
+
+def best_segment_count(n: int, *, max_segments: int | None = None):
+    """Try every segment count s (1..max_segments) with evenly spaced checkpoints.
+
+    Returns ``(best_s, table)``: the s with the smallest peak (ties: fewer forward computations,
+    then fewer segments) and a DataFrame with segments, peak_nodes, forward_computations.
+    """
+    import pandas as pd
+
+    _check_n(n)
+    if max_segments is None:
+        max_segments = min(n, 4 * math.isqrt(n) + 4)
+    if isinstance(max_segments, bool) or not isinstance(max_segments, int) or not 1 <= max_segments <= n:
+        raise ValueError(f"max_segments must be an int between 1 and n={n}, got {max_segments!r}.")
+    rows = []
+    for s in range(1, max_segments + 1):
+        sched = simulate(n, "checkpoints", checkpoints=segment_checkpoints(n, s), record_live=False)
+        rows.append({"segments": s, "peak_nodes": sched.peak_nodes, "forward_computations": sched.forward_count})
+    table = pd.DataFrame(rows)
+    best = min(rows, key=lambda r: (r["peak_nodes"], r["forward_computations"], r["segments"]))
+    return best["segments"], table
+
+
+def optimal_checkpoints(sizes: Sequence[float], budget: float) -> ChainSchedule:
+    """The checkpoint set that keeps the peak within ``budget`` with the fewest recomputations.
+
+    Brute force over every subset of positions 1..n-1 (f_n is live when the backward pass starts
+    anyway), so n is limited to 16. Ties: lower peak, then fewer checkpoints, then the
+    lexicographically smallest set. Raises ValueError when no checkpoint set fits.
+    """
+    if sizes is None or isinstance(sizes, (str, bytes)) or not hasattr(sizes, "__len__") or len(sizes) == 0:
+        raise ValueError("sizes must list the size of each layer's activation, e.g. [4, 1, 6, 1].")
+    n = len(sizes)
+    sizes = _check_sizes(sizes, n)
+    if n > MAX_BRUTE_FORCE_N:
+        raise ValueError(f"optimal_checkpoints tries every subset; keep n <= {MAX_BRUTE_FORCE_N} (got n={n}).")
+    if isinstance(budget, bool) or not isinstance(budget, Real) or not math.isfinite(budget) or budget <= 0:
+        raise ValueError(f"budget must be a positive number in the units of sizes, got {budget!r}.")
+    best, best_key, lowest = None, None, None
+    for r in range(n):
+        for subset in itertools.combinations(range(1, n), r):
+            sched = simulate(n, "checkpoints", checkpoints=subset, sizes=sizes, record_live=False)
+            if lowest is None or sched.peak_memory < lowest:
+                lowest = sched.peak_memory
+            if sched.peak_memory > budget:
+                continue
+            key = (sched.forward_count, sched.peak_memory, len(subset), subset)
+            if best_key is None or key < best_key:
+                best, best_key = sched, key
+    if best is None:
+        floor = simulate(n, "recompute_all", sizes=sizes, record_live=False).peak_memory
+        raise ValueError(
+            f"No checkpoint set keeps the peak within budget={budget}: the smallest peak a checkpoint set "
+            f"reaches is {lowest}. Raise the budget to at least {lowest} (recomputing everything would need {floor})."
+        )
+    return simulate(n, "checkpoints", checkpoints=best.checkpoints, sizes=sizes)
+
+
+def evaluate_checkpoints(sizes: Sequence[float], budget: float, checkpoints: Sequence[int]) -> dict:
+    """Grade a checkpoint choice: does it fit the budget, and how many recomputations does it cost?"""
+    if sizes is None or isinstance(sizes, (str, bytes)) or not hasattr(sizes, "__len__") or len(sizes) == 0:
+        raise ValueError("sizes must list the size of each layer's activation, e.g. [4, 1, 6, 1].")
+    if isinstance(budget, bool) or not isinstance(budget, Real) or budget <= 0:
+        raise ValueError(f"budget must be a positive number in the units of sizes, got {budget!r}.")
+    sched = simulate(len(sizes), "checkpoints", checkpoints=list(checkpoints), sizes=sizes, record_live=False)
+    return {
+        "checkpoints": sched.checkpoints,
+        "peak_memory": sched.peak_memory,
+        "fits": sched.peak_memory <= budget,
+        "recomputations": sched.recompute_count,
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# drawing
+# --------------------------------------------------------------------------------------------
+LIVE_COLOR = "#8e44ad"  # the article's purple
+RECOMPUTE_COLOR = "#e67e22"
+CURRENT_EDGE = "#c0392b"
+
+
+def draw_step(schedule: ChainSchedule, t: int, ax=None, *, title: bool = True):
+    """Draw the f/b graph with the nodes live at step ``t`` shaded; the node computed is outlined red.
+
+    Kept (checkpoint) f nodes are drawn as squares; a recomputed node is shaded orange.
+    """
+    import matplotlib.pyplot as plt
+
+    if not isinstance(schedule, ChainSchedule):
+        raise TypeError(f"schedule must come from simulate(...), not {type(schedule).__name__}.")
+    live = schedule.live_at(t)
+    n = schedule.n
+    if ax is None:
+        _, ax = plt.subplots(figsize=(max(4.0, 0.75 * n + 1.5), 2.2))
+    op = schedule.ops[t]
+    current = (op[0], int(op[1:]))
+    kept = set(schedule.checkpoints) if schedule.strategy != "store_all" else set()
+    ytop, ybot = 1.0, 0.0
+    # edges, shortened so they stop at the node circles; one quiver call (FancyArrowPatch is slow)
+    edges = [((0, ytop), (1, ytop))]
+    for i in range(1, n + 1):
+        if i < n:
+            edges += [((i, ytop), (i + 1, ytop)), ((i + 1, ybot), (i, ybot))]
+        edges.append(((i, ytop), (i, ybot)))
+    gap = 0.24
+    xs, ys, us, vs = [], [], [], []
+    for (x0, y0), (x1, y1) in edges:
+        length = math.hypot(x1 - x0, y1 - y0)
+        ux, uy = (x1 - x0) / length, (y1 - y0) / length
+        xs.append(x0 + gap * ux)
+        ys.append(y0 + gap * uy)
+        us.append((length - 2 * gap) * ux)
+        vs.append((length - 2 * gap) * uy)
+    ax.quiver(xs, ys, us, vs, angles="xy", scale_units="xy", scale=1, color="0.55", width=0.003,
+              headwidth=4, headlength=4.5, headaxislength=4, zorder=1)
+    ax.scatter([0], [ytop], s=260, marker="o", facecolor="0.85", edgecolor="0.4", zorder=2)
+    ax.text(0, ytop, "x", ha="center", va="center", fontsize=8, zorder=3)
+    for kind, y in (("f", ytop), ("b", ybot)):
+        for i in range(1, n + 1):
+            node = (kind, i)
+            is_live = node in live
+            face = "white"
+            if is_live:
+                face = RECOMPUTE_COLOR if (node == current and schedule.recomputed[t]) else LIVE_COLOR
+            marker = "s" if (kind == "f" and i in kept) else "o"
+            edge = CURRENT_EDGE if node == current else "0.3"
+            ax.scatter([i], [y], s=300, marker=marker, facecolor=face, edgecolor=edge,
+                       linewidths=2.5 if node == current else 1.0, zorder=2)
+            ax.text(i, y, f"{kind}{i}", ha="center", va="center", fontsize=7 if n < 13 else 6,
+                    color="white" if is_live else "black", zorder=3)
+    if not schedule.unit_sizes:  # write each node's size above its f node
+        for i in range(1, n + 1):
+            ax.text(i, ytop + 0.42, f"{schedule.sizes[i - 1]:g}", ha="center", va="center", fontsize=7, color="0.35")
+        ax.text(0, ytop + 0.42, "size", ha="center", va="center", fontsize=7, color="0.35")
+    ax.set_xlim(-0.6, n + 0.6)
+    ax.set_ylim(ybot - 0.55, ytop + (0.55 if schedule.unit_sizes else 0.7))
+    ax.set_aspect("equal")
+    ax.axis("off")
+    if title:
+        verb = "recompute" if schedule.recomputed[t] else "compute"
+        unit = "" if schedule.unit_sizes else " (size units)"
+        ax.set_title(
+            f"{schedule.label}: step {t + 1}/{schedule.steps}, {verb} {op}; "
+            f"live {schedule.live_nodes[t]} nodes{'' if schedule.unit_sizes else f', memory {schedule.memory[t]:g}{unit}'}",
+            fontsize=9,
+        )
+    return ax
+
+
+def interesting_steps(schedule: ChainSchedule, count: int = 4) -> list:
+    """A few steps worth showing: end of the forward pass, the peak, a recomputation, the last step."""
+    if not isinstance(schedule, ChainSchedule):
+        raise TypeError(f"schedule must come from simulate(...), not {type(schedule).__name__}.")
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ValueError(f"count must be a positive int, got {count!r}.")
+    picks = [schedule.n - 1]  # the forward pass has just finished
+    picks.append(max(range(schedule.steps), key=lambda s: (schedule.memory[s], -s)))  # first peak step
+    rec = [s for s in range(schedule.steps) if schedule.recomputed[s]]
+    if rec:
+        picks.append(rec[len(rec) // 2])
+    picks.append(schedule.steps - 1)
+    middle = schedule.n + (schedule.steps - schedule.n) // 2
+    for extra in (middle, schedule.n, schedule.n // 2, 0):
+        if len(set(picks)) >= count:
+            break
+        picks.append(extra)
+    return sorted(set(picks))[:count]
+
+
+def draw_strategy_grid(n: int = 6, strategies: Sequence[str] = ("store_all", "recompute_all", "every_k"),
+                       steps_per_strategy: int = 4, *, k: int | None = None):
+    """The static figure: one row per strategy, a few time steps each (the fallback for the slider)."""
+    import matplotlib.pyplot as plt
+
+    _check_n(n)
+    if n > 16:
+        raise ValueError(f"draw_strategy_grid draws every node; keep n <= 16 (got {n}).")
+    if isinstance(steps_per_strategy, bool) or not isinstance(steps_per_strategy, int) or steps_per_strategy < 1:
+        raise ValueError(f"steps_per_strategy must be a positive int, got {steps_per_strategy!r}.")
+    strategies = list(strategies)
+    for s in strategies:
+        if s not in STRATEGIES[:3]:
+            raise ValueError(f"draw_strategy_grid strategies must be among {STRATEGIES[:3]}, got {s!r}.")
+    fig, axes = plt.subplots(len(strategies), steps_per_strategy,
+                             figsize=(steps_per_strategy * (0.62 * n + 1.2), 1.9 * len(strategies)), squeeze=False)
+    for row, s in enumerate(strategies):
+        sched = simulate(n, s, k=k if s == "every_k" else None, record_live=True)
+        picks = interesting_steps(sched, steps_per_strategy)
+        for col in range(steps_per_strategy):
+            ax = axes[row][col]
+            if col < len(picks):
+                draw_step(sched, picks[col], ax, title=False)
+                verb = "recompute" if sched.recomputed[picks[col]] else "compute"
+                ax.set_title(f"{sched.label} · step {picks[col] + 1}/{sched.steps}: {verb} "
+                             f"{sched.ops[picks[col]]}, {sched.live_nodes[picks[col]]} live", fontsize=8)
+            else:
+                ax.axis("off")
+    fig.suptitle("Live nodes (purple) at a few steps; red outline = node computed now, orange = recomputed, "
+                 "square = kept checkpoint", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def plot_timelines(schedules: Sequence[ChainSchedule], ax=None):
+    """Memory (live nodes or size units) at each step, one line per schedule."""
+    import matplotlib.pyplot as plt
+
+    schedules = list(schedules)
+    if not schedules or not all(isinstance(s, ChainSchedule) for s in schedules):
+        raise TypeError("schedules must be a non-empty list of simulate(...) results.")
+    if ax is None:
+        _, ax = plt.subplots(figsize=(8, 3.2))
+    for s in schedules:
+        ax.step(range(1, s.steps + 1), s.memory, where="mid", label=f"{s.label} (peak {s.peak_memory:g})")
+    ax.set_xlabel("step (one node computed per step)")
+    ax.set_ylabel("live nodes" if all(s.unit_sizes for s in schedules) else "memory (size units)")
+    ax.legend(fontsize=8)
+    return ax
+
+
+def plot_scaling(table, axes=None):
+    """Two log-log panels from :func:`sweep`: peak live nodes vs n and forward computations vs n,
+    with the reference lines sqrt(n), 2 sqrt(n), n and n^2/2."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+    import seaborn as sns
+
+    needed = {"n", "strategy", "peak_nodes", "forward_computations"}
+    if not needed <= set(getattr(table, "columns", [])):
+        raise ValueError(f"table must be a DataFrame from sweep() with columns {sorted(needed)}.")
+    if axes is None:
+        _, axes = plt.subplots(1, 2, figsize=(11, 4))
+    ns = np.array(sorted(table["n"].unique()), dtype=float)
+    sns.lineplot(data=table, x="n", y="peak_nodes", hue="strategy", marker="o", ax=axes[0])
+    axes[0].plot(ns, np.sqrt(ns), "k:", lw=1, label="sqrt(n)")
+    axes[0].plot(ns, 2 * np.sqrt(ns), "k--", lw=1, label="2 sqrt(n)")
+    axes[0].set(xscale="log", yscale="log", title="peak memory", ylabel="peak live nodes")
+    axes[0].legend(fontsize=8)
+    sns.lineplot(data=table, x="n", y="forward_computations", hue="strategy", marker="o", ax=axes[1])
+    axes[1].plot(ns, ns, "k:", lw=1, label="n")
+    axes[1].plot(ns, 2 * ns, "k--", lw=1, label="2n")
+    axes[1].plot(ns, ns ** 2 / 2, "k-.", lw=1, label="n²/2")
+    axes[1].set(xscale="log", yscale="log", title="compute", ylabel="forward computations")
+    axes[1].legend(fontsize=8)
+    for ax in axes:
+        ax.set_xscale("log", base=2)
+    return axes
+
+
+# --------------------------------------------------------------------------------------------
+# the slider
+# --------------------------------------------------------------------------------------------
+def chain_explorer(n: int = 9, strategies: Sequence[str] = ("store_all", "recompute_all", "every_k")):
+    """An ipywidgets explorer: pick a strategy, drag the time step, see which nodes are live.
+
+    Uses only ToggleButtons, IntSlider, Output and VBox (ipywidgets 7.7 and 8).
+    """
+    import ipywidgets as widgets
+    import matplotlib.pyplot as plt
+    from IPython.display import display
+
+    _check_n(n)
+    if n > 16:
+        raise ValueError(f"chain_explorer draws every node; keep n <= 16 (got {n}).")
+    schedules = {STRATEGY_LABELS[s]: simulate(n, s, record_live=True) for s in strategies}
+    picker = widgets.ToggleButtons(options=list(schedules), description="strategy")
+    first = schedules[picker.value]
+    slider = widgets.IntSlider(value=0, min=0, max=first.steps - 1, description="step", continuous_update=False)
+    out = widgets.Output()
+
+    def redraw(*_):
+        sched = schedules[picker.value]
+        if slider.max != sched.steps - 1:
+            slider.value = min(slider.value, sched.steps - 1)
+            slider.max = sched.steps - 1
+        with out:
+            out.clear_output(wait=True)
+            fig, (ax_graph, ax_mem) = plt.subplots(2, 1, figsize=(0.75 * n + 2, 4.2),
+                                                   gridspec_kw={"height_ratios": [1.3, 1]})
+            draw_step(sched, slider.value, ax_graph)
+            ax_mem.step(range(1, sched.steps + 1), sched.memory, where="mid", color=LIVE_COLOR)
+            ax_mem.axvline(slider.value + 1, color=CURRENT_EDGE, lw=1)
+            ax_mem.set(xlabel="step", ylabel="live nodes")
+            fig.tight_layout()
+            display(fig)
+            plt.close(fig)
+
+    picker.observe(redraw, names="value")
+    slider.observe(redraw, names="value")
+    redraw()
+    return widgets.VBox([picker, slider, out])
+
+
+# --------------------------------------------------------------------------------------------
+# timing
+# --------------------------------------------------------------------------------------------
+def time_steps(fns: dict, *, repeats: int = 3, warmup: int = 1, device=None) -> dict:
+    """Time several zero-argument callables fairly: runs are interleaved (a, b, a, b, ...) and each
+    gets the *minimum* over ``repeats`` runs, in seconds.
+
+    On a CUDA device the clock is wall time with the GPU synchronized around each run. Elsewhere it is
+    the CPU time of this process (``time.process_time``), so other programs competing for the CPU
+    (a shared CI machine) do not distort the comparison.
+    """
+    import time
+
+    import torch
+
+    if not isinstance(fns, dict) or not fns:
+        raise TypeError("fns must be a non-empty dict {label: zero-argument callable}.")
+    for label, fn in fns.items():
+        if not callable(fn):
+            raise TypeError(f"fns[{label!r}] must be a zero-argument callable, not {type(fn).__name__}.")
+    for name, value, low in (("repeats", repeats, 1), ("warmup", warmup, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name} must be an int >= {low}, got {value!r}.")
+    cuda = device is not None and torch.device(device).type == "cuda" and torch.cuda.is_available()
+    clock = time.perf_counter if cuda else time.process_time
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    best = {label: math.inf for label in fns}
+    for _ in range(repeats):
+        for label, fn in fns.items():
+            sync()
+            start = clock()
+            fn()
+            sync()
+            best[label] = min(best[label], clock() - start)
+    return best
+
+
+def time_it(fn, *, repeats: int = 3, warmup: int = 1, device=None) -> float:
+    """Minimum time of ``fn()`` over ``repeats`` runs (see :func:`time_steps` for the clock)."""
+    if not callable(fn):
+        raise TypeError(f"fn must be a zero-argument callable, not {type(fn).__name__}.")
+    return time_steps({"fn": fn}, repeats=repeats, warmup=warmup, device=device)["fn"]
