@@ -140,15 +140,13 @@ def training_state_bytes(n_params: int, *, optimizer: str = "adam", param_dtype=
     )
 
 
+def _storage_key(t: torch.Tensor) -> int:
+    # The C++ storage's address: shared by views, distinct for fake tensors (whose data_ptr() is 0).
+    return t.untyped_storage()._cdata
+
+
 def _param_keys(model: nn.Module) -> set:
-    keys = set()
-    for p in model.parameters():
-        keys.add(id(p))
-        try:
-            keys.add((p.device.type, p.untyped_storage().data_ptr()))
-        except Exception:
-            pass
-    return keys
+    return {_storage_key(p) for p in model.parameters()}
 
 
 def _forward_profile(model: nn.Module, inputs, kwargs) -> dict:
@@ -177,11 +175,8 @@ def _forward_profile(model: nn.Module, inputs, kwargs) -> dict:
 
     def pack(t: torch.Tensor):
         storage = t.untyped_storage()
-        try:
-            key = (t.device.type, storage.data_ptr())
-        except Exception:
-            key = id(storage)
-        if id(t) not in params and key not in params and key not in seen:
+        key = _storage_key(t)
+        if key not in params and key not in seen:
             seen.add(key)
             segments[-1]["saved"] += storage.nbytes()
             segments[-1]["largest"] = max(segments[-1]["largest"], storage.nbytes())

@@ -155,10 +155,8 @@ def _optimizer_state_bytes(optimizer) -> int:
 
 
 def _storage_key(t: torch.Tensor):
-    try:
-        return (t.device, t.untyped_storage().data_ptr()) if not _is_fake(t) else id(t.untyped_storage())
-    except Exception:  # storages of some subclasses cannot be asked for a pointer
-        return id(t)
+    # The C++ storage's address: shared by views, distinct for fake tensors (whose data_ptr() is 0).
+    return t.untyped_storage()._cdata
 
 
 def _is_fake(t) -> bool:

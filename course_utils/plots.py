@@ -4,10 +4,10 @@ from __future__ import annotations
 from typing import Mapping
 
 GIB = 1024**3
-CATEGORY_ORDER = ("params", "grads", "optimizer", "master_weights", "activations", "other")
+CATEGORY_ORDER = ("params", "grads", "optimizer", "master_weights", "activations", "other", "overhead")
 CATEGORY_COLORS = {
     "params": "#4C72B0", "grads": "#DD8452", "optimizer": "#55A868", "master_weights": "#8172B3",
-    "activations": "#C44E52", "other": "#937860",
+    "activations": "#C44E52", "other": "#937860", "overhead": "#BBBBBB",
 }
 
 

@@ -108,3 +108,11 @@ def test_estimate_within_10_percent_of_measurement(name, build, make_input, batc
 def test_bad_input(call, error, match):
     with pytest.raises(error, match=match):
         call()
+
+
+def test_activation_bytes_work_on_fake_tensors():
+    # fake tensors all have data_ptr() == 0: storages must be told apart another way
+    with models.fake_mode():
+        lin = nn.Linear(100, 50)
+        x = torch.randn(8, 100)
+        assert estimate.activation_bytes(lin, x) == 8 * 100 * 4 + 8 * 50 * 4
