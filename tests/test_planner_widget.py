@@ -1,0 +1,48 @@
+"""The planner widget: good input draws the chart, bad input shows a message, never a traceback."""
+import matplotlib
+
+matplotlib.use("Agg")
+
+import pytest  # noqa: E402
+
+from course_utils import planner_widget as pw  # noqa: E402
+
+
+def test_render_good_input_draws_a_chart():
+    result = pw.render(model="gpt2-xl", gpu="RTX 3060 (12 GB)", micro_batch=4, size=1024, accumulation=8,
+                       show=False)
+    assert result.ok and result.figure is not None
+    assert "does NOT fit" in result.message and "Cheapest set that fits" in result.message
+    assert result.recommendation.plan.fits
+
+
+@pytest.mark.parametrize("kwargs,text", [
+    (dict(micro_batch=0), "micro_batch must be positive"),
+    (dict(micro_batch=4, size=0), "must be positive"),
+    (dict(model=pw.CUSTOM_MODEL, custom_params_m=0, micro_batch=4), "positive number of parameters"),
+    (dict(model=pw.CUSTOM_MODEL, custom_act_mib=0, micro_batch=4), "positive activation memory"),
+    (dict(gpu=pw.CUSTOM_GPU, custom_gpu_gib=0, micro_batch=4), "memory_gib must be a positive"),
+    (dict(model="no such model", micro_batch=4), "Unknown model"),
+    (dict(micro_batch=4, stream_grads=True), "master_on_cpu=True"),
+])
+def test_render_bad_input_returns_a_message_not_an_exception(kwargs, text):
+    result = pw.render(show=False, **kwargs)
+    assert not result.ok and result.figure is None
+    assert text in result.message and result.message.startswith("Cannot plan this")
+
+
+def test_render_budget_nothing_fits_keeps_the_chart_and_says_why():
+    result = pw.render(model="gpt2-xl", gpu=pw.CUSTOM_GPU, custom_gpu_gib=1, micro_batch=4, size=1024, show=False)
+    assert result.ok and "Nothing fits" in result.message
+
+
+def test_widget_builds_and_reacts():
+    box = pw.planner_widget()
+    assert box.last_result.ok
+    box.controls["micro_batch"].value = 0  # a bad value: message, no exception
+    assert not box.last_result.ok and "micro_batch must be positive" in box.last_result.message
+    box.controls["micro_batch"].value = 2
+    box.controls["stream_grads"].value = True  # turns the CPU optimizer on by itself
+    assert box.controls["master_on_cpu"].value and box.last_result.ok
+    box.controls["model"].value = pw.MODEL_LABELS["efficientnet_b0"]
+    assert box.controls["size"].value == 224 and box.last_result.ok
