@@ -76,7 +76,7 @@ def check_exercise(name: str, learner_value, reference_value, *, rel_tol: float 
     if ok:
         print(f"✓ {name}: correct ({_fmt(learner_value)}).")
     else:
-        tol = f" within {rel_tol:.0%}" if rel_tol else ""
+        tol = f" within {rel_tol:.3g} (relative)" if rel_tol else ""
         print(f"✗ {name}: expected {_fmt(reference_value)}{tol}, got {_fmt(learner_value)}." + (f" Hint: {hint}" if hint else ""))
     return ok
 

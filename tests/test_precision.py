@@ -1,0 +1,193 @@
+"""Tests of course_utils.precision (notebook 04)."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from course_utils import precision as P
+
+
+def test_format_table_matches_ieee():
+    t = P.format_table()
+    assert list(t.index) == ["fp32", "tf32", "fp16", "bf16"]
+    assert t.loc["fp16", "max"] == 65504.0
+    assert t.loc["fp16", "smallest_subnormal"] == 2.0**-24
+    assert t.loc["fp16", "smallest_normal"] == 2.0**-14
+    assert t.loc["fp16", "eps"] == torch.finfo(torch.float16).eps == 2.0**-10
+    assert t.loc["bf16", "eps"] == torch.finfo(torch.bfloat16).eps == 2.0**-7
+    assert t.loc["bf16", "max"] == torch.finfo(torch.bfloat16).max
+    assert t.loc["tf32", "bits"] == 19 and t.loc["tf32", "max"] == t.loc["fp32", "max"]
+    assert t.loc["tf32", "eps"] == t.loc["fp16", "eps"]
+    assert t.loc["fp32", "smallest_subnormal"] == 2.0**-149
+    assert list(t.bytes_in_memory) == [4, 4, 2, 2]
+
+
+def test_format_bad_inputs():
+    with pytest.raises(ValueError, match="Unknown format"):
+        P.format_facts("fp8")
+    with pytest.raises(ValueError, match="non-empty"):
+        P.format_table("fp16")
+    with pytest.raises(TypeError, match="dict"):
+        P.plot_ranges(mark=[1e-8])
+
+
+def test_plot_ranges_draws_one_row_per_format():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    ax = P.plot_ranges(["fp32", "fp16"], mark={"1e-8": 1e-8})
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["fp32", "fp16"]
+
+
+def test_underflow_and_overflow_fractions_are_exact():
+    g = torch.tensor([1e-9, 1e-3, 0.0, 2e-8, 1.0])  # zeros are not counted
+    assert P.underflow_fraction(g, "fp16") == 0.5  # 1e-9 and 2e-8 < 2**-25 vanish
+    assert P.underflow_fraction(g, torch.bfloat16) == 0.0
+    assert P.underflow_fraction(g, "fp16", scale=1024) == 0.0
+    big = torch.tensor([1e5, 1.0, 70000.0, -1e6])
+    assert P.overflow_fraction(big, "fp16") == 0.75
+    assert P.overflow_fraction(big, "bf16") == 0.0
+    assert P.overflow_fraction(torch.tensor([1.0]), "fp16", scale=1e5) == 1.0
+
+
+@pytest.mark.parametrize("bad, err", [([1.0], TypeError), (torch.tensor([1, 2]), TypeError),
+                                      (torch.tensor([]), ValueError), (torch.zeros(3), ValueError)])
+def test_underflow_bad_tensors(bad, err):
+    with pytest.raises(err):
+        P.underflow_fraction(bad, "fp16")
+
+
+def test_underflow_bad_dtype_and_scale():
+    with pytest.raises(ValueError, match="Unknown format"):
+        P.underflow_fraction(torch.ones(2), "int8")
+    with pytest.raises(ValueError, match="float32/float16/bfloat16"):
+        P.underflow_fraction(torch.ones(2), torch.float64)
+    for scale in (0, -1, float("inf"), True):
+        with pytest.raises(ValueError, match="scale"):
+            P.underflow_fraction(torch.ones(2), "fp16", scale=scale)
+
+
+def test_flat_grads():
+    m = nn.Linear(3, 2)
+    with pytest.raises(ValueError, match="backward"):
+        P.flat_grads(m)
+    m(torch.ones(1, 3)).sum().backward()
+    assert P.flat_grads(m).shape == (8,)
+    with pytest.raises(TypeError):
+        P.flat_grads(torch.ones(2))
+
+
+def test_autocast_op_table_cpu():
+    t = P.autocast_op_table("cpu", torch.bfloat16)
+    assert t.loc["linear", "fp32 input"] == "bf16"
+    assert t.loc["cross_entropy", "bf16 input"] == "fp32"  # losses are on autocast's fp32 list
+    assert t.loc["relu", "fp32 input"] == "fp32"  # not on the low-precision list: runs as fed
+    with pytest.raises(ValueError, match="device_type"):
+        P.autocast_op_table("tpu")
+    with pytest.raises(ValueError, match="16-bit"):
+        P.autocast_op_table("cpu", torch.float32)
+
+
+def _scaler_steps(losses_scale):
+    p = nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=0.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**100, growth_interval=2)
+    log = P.ScaleLog(scaler)
+    for k in losses_scale:
+        opt.zero_grad()
+        scaler.scale(p.sum() * k).backward()
+        scaler.step(opt)
+        scaler.update()
+        log.update(1.0)
+    return log
+
+
+def test_scale_log_detects_skipped_steps():
+    # 1e30 * 2**100 overflows fp32: skipped, scale halves; then finite steps grow it every 2 steps
+    log = _scaler_steps([1e30, 1e30, 1.0, 1.0, 1.0])
+    assert log.init_scale == 2.0**100
+    assert log.skipped == [True, True, False, False, False]
+    assert log.skipped_steps == 2
+    assert log.scales == [2.0**99, 2.0**98, 2.0**98, 2.0**99, 2.0**99]
+    df = log.frame()
+    assert list(df.columns) == ["step", "scale", "skipped", "loss"] and len(df) == 5
+
+
+def test_scale_log_bad_inputs():
+    with pytest.raises(TypeError, match="GradScaler"):
+        P.ScaleLog(object())
+    with pytest.raises(ValueError, match="disabled"):
+        P.ScaleLog(torch.amp.GradScaler("cpu", enabled=False))
+    with pytest.raises(ValueError, match="Nothing recorded"):
+        P.ScaleLog(torch.amp.GradScaler("cpu")).plot()
+
+
+def test_recommend_precision():
+    assert P.recommend_precision((7, 5)) == "fp16 autocast + GradScaler"  # T4: emulated bf16 only
+    assert P.recommend_precision((8, 0)) == "bf16 autocast, no GradScaler"
+    assert P.recommend_precision((9, 0)).startswith("bf16")
+    assert P.recommend_precision(None).startswith("fp32")
+    for bad in ("8.0", (8,), (8, -1), [8, 0]):
+        with pytest.raises(ValueError, match="compute_capability"):
+            P.recommend_precision(bad)
+    t = P.decision_table()
+    assert t.loc["T4 / RTX 20xx (Turing)", "native bf16"] == False  # noqa: E712
+    assert t.loc["A100 (Ampere)", "native bf16"] == True  # noqa: E712
+
+
+def test_median_seconds_bad_inputs():
+    assert P.median_seconds(lambda: None, repeat=3) >= 0
+    with pytest.raises(TypeError):
+        P.median_seconds(3)
+    with pytest.raises(ValueError, match="repeat"):
+        P.median_seconds(lambda: None, repeat=0)
+
+
+def _clip_before_unscale(model, optimizer, batches, scaler, *, device_type, max_norm):
+    losses, norms = [], []
+    for x, y in batches:
+        optimizer.zero_grad()
+        with torch.amp.autocast(device_type, dtype=torch.float16):
+            loss = F.cross_entropy(model(x), y)
+        scaler.scale(loss).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
+        scaler.step(optimizer)
+        scaler.update()
+        losses.append(loss.item())
+    return losses, norms
+
+
+def _plain_fp32(model, optimizer, batches, scaler, *, device_type, max_norm):
+    losses, norms = [], []
+    for x, y in batches:
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, norms
+
+
+def test_check_amp_loop_passes_reference_and_fails_mistakes(capsys):
+    assert P.check_amp_loop(P.reference_amp_train, steps=6)
+    assert not P.check_amp_loop(_clip_before_unscale, steps=6)
+    assert "scaled" in capsys.readouterr().out
+    assert not P.check_amp_loop(_plain_fp32, steps=6)
+    assert "fp16" in capsys.readouterr().out
+
+
+def test_check_amp_loop_bad_inputs():
+    def todo(*args, **kwargs):
+        raise NotImplementedError
+
+    with pytest.raises(NotImplementedError):
+        P.check_amp_loop(todo, steps=2)
+    with pytest.raises(ValueError, match="returned None"):
+        P.check_amp_loop(lambda *a, **k: None, steps=2)
+    with pytest.raises(TypeError, match="function itself"):
+        P.check_amp_loop(None)
+    with pytest.raises(ValueError, match="max_norm"):
+        P.check_amp_loop(P.reference_amp_train, max_norm=0)
+    with pytest.raises(ValueError, match="steps"):
+        P.exercise_setup(steps=1)
