@@ -25,10 +25,16 @@ def gpt2_config(name: str = "gpt2-xl", **overrides):
 
     if name not in GPT2_SIZES:
         raise ValueError(f"Unknown GPT-2 size {name!r}; choose one of {sorted(GPT2_SIZES)}.")
-    for key, value in overrides.items():
-        if isinstance(value, int) and not isinstance(value, bool) and value <= 0:
-            raise ValueError(f"{key} must be positive, got {value}.")
-    return GPT2Config(**{**GPT2_SIZES[name], **overrides})
+    for key in ("n_layer", "n_embd", "n_head", "vocab_size", "n_positions"):
+        value = overrides.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+            raise ValueError(f"{key} must be a positive integer, got {value!r}.")
+    settings = {**GPT2_SIZES[name], **overrides}
+    vocab = settings.get("vocab_size", 50257)
+    # GPT-2's <|endoftext|> is token 50256; a smaller test vocabulary needs an id inside it
+    settings.setdefault("bos_token_id", min(50256, vocab - 1))
+    settings.setdefault("eos_token_id", min(50256, vocab - 1))
+    return GPT2Config(**settings)
 
 
 @contextlib.contextmanager
@@ -53,6 +59,7 @@ def build_gpt2(config_or_name="gpt2-xl", *, dtype: torch.dtype = torch.float32, 
     config = gpt2_config(config_or_name, **overrides) if isinstance(config_or_name, str) else config_or_name
     with default_dtype(dtype):
         model = GPT2LMHeadModel(config)
+    model.loss_type = "ForCausalLM"  # name the loss, so transformers does not warn that it guessed
     return model
 
 

@@ -1,0 +1,569 @@
+"""Memory accounting (notebook 01): where does GPU memory go?
+
+The helpers behind the lesson's measurements; the training loops stay in the notebook.
+
+- :func:`gpu_monitor` runs ``nvidia-smi`` / ``gpustat`` when installed (``nvtop`` is interactive and is
+  only located), and says what each would show where it is absent. It never fails.
+- :func:`torch_memory_view` PyTorch's own view: allocated, peak, reserved (CUDA), or the process RSS on CPU.
+- :func:`state_bytes` the persistent training state measured from live tensors: parameters, gradients,
+  optimizer state; :func:`seed_multiplier` the article's ``params x n`` rule (n=2 SGD, n=4 Adam).
+- :func:`modelsize` the article's ``modelsize()`` (module outputs of a Sequential, x2 for backward),
+  :func:`module_output_bytes` the same count for any model (forward hooks), and
+  :func:`saved_tensors_by_op` what autograd really keeps, read from the graph.
+- :func:`live_bytes_over_steps` the bytes alive after each step of a loop (the ``total_loss += loss`` leak).
+- :func:`largest_batch_that_fits` doubling + bisection over a monotone ``peak(batch)``.
+- :func:`quick_wins_frame` / :func:`plot_quick_wins` the before/after table and plot of the quick wins.
+"""
+from __future__ import annotations
+
+import math
+import shutil
+import subprocess
+import weakref
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+import torch
+from torch import nn
+
+MIB = 1024**2
+GIB = 1024**3
+
+# ---------------------------------------------------------------------------------------------
+# 1. Monitoring
+# ---------------------------------------------------------------------------------------------
+
+MONITOR_TOOLS = {
+    "nvidia-smi": dict(
+        command=["nvidia-smi", "--query-gpu=index,name,memory.used,memory.total,utilization.gpu",
+                 "--format=csv"],
+        interactive=False,
+        explains=(
+            "nvidia-smi (ships with the NVIDIA driver) lists each GPU with its memory used / total and "
+            "utilization, and the processes holding memory. Its 'used' is what the driver handed out: "
+            "PyTorch's caching allocator's reserved blocks plus the CUDA context (a few hundred MiB), "
+            "so it reads higher than torch.cuda.memory_allocated()."
+        ),
+    ),
+    "gpustat": dict(
+        command=["gpustat", "-cpu", "--no-color"],
+        interactive=False,
+        explains=(
+            "gpustat (pip install gpustat) prints one line per GPU: temperature, utilization, memory used/total, "
+            "and with -cpu each process's command, PID and user. `watch --color -n1 gpustat -cpu` refreshes it "
+            "every second while you train."
+        ),
+    ),
+    "nvtop": dict(
+        command=None,
+        interactive=True,
+        explains=(
+            "nvtop (apt install nvtop) is an interactive, htop-like terminal monitor: live plots of GPU "
+            "utilization and memory per device and a process list. Run it in a terminal, not in a notebook."
+        ),
+    ),
+}
+
+
+@dataclass
+class ToolReport:
+    """What one monitoring tool said (or would say) on this machine."""
+
+    tool: str
+    available: bool
+    output: str
+
+    def __str__(self) -> str:
+        state = "found" if self.available else "not installed here"
+        return f"$ {self.tool}  ({state})\n{self.output}"
+
+
+def gpu_monitor(tools: Iterable[str] = ("nvidia-smi", "gpustat", "nvtop"), *, timeout_s: float = 10.0,
+                run: bool = True) -> list[ToolReport]:
+    """Run the GPU monitors that are installed; for the others, say what they would show.
+
+    Never raises because of the machine: a missing tool, a tool that fails (no driver) or hangs
+    (``timeout_s``) gives a report that says so. ``nvtop`` is interactive, so it is only located.
+    Raises ``ValueError`` only for a tool name it does not know.
+    """
+    if isinstance(tools, str):
+        tools = (tools,)
+    tools = list(tools)
+    unknown = [t for t in tools if t not in MONITOR_TOOLS]
+    if unknown or not tools:
+        raise ValueError(f"Unknown or no monitoring tool(s) {unknown}; choose from {sorted(MONITOR_TOOLS)}.")
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+        raise ValueError(f"timeout_s must be a positive number of seconds, not {timeout_s!r}.")
+    reports = []
+    for tool in tools:
+        info = MONITOR_TOOLS[tool]
+        path = shutil.which(tool)
+        if path is None:
+            reports.append(ToolReport(tool, False, "Would show: " + info["explains"]))
+            continue
+        if info["interactive"] or not run:
+            reports.append(ToolReport(tool, True, f"Installed. {info['explains']}"))
+            continue
+        try:
+            done = subprocess.run(info["command"], capture_output=True, text=True, timeout=timeout_s)
+            text = (done.stdout or "").strip()
+            if done.returncode != 0:
+                text = (f"exited with status {done.returncode}: {(done.stderr or text).strip()[:500]}\n"
+                        f"Would show: {info['explains']}")
+        except (OSError, subprocess.SubprocessError) as err:
+            text = f"could not run ({type(err).__name__}: {err}).\nWould show: {info['explains']}"
+        reports.append(ToolReport(tool, True, text))
+    return reports
+
+
+def torch_memory_view(device=None) -> dict[str, int | str]:
+    """PyTorch's own view of memory on ``device`` (default: the course device).
+
+    On CUDA: ``allocated`` (bytes in live tensors), ``max_allocated`` (the peak since the last reset),
+    ``reserved`` (held by the caching allocator, >= allocated). Elsewhere: the process's resident
+    memory (``rss``), which counts everything Python holds, not just tensors.
+    """
+    if device is None:
+        from .hardware import get_device
+
+        device = get_device()
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(f"device must be something like 'cuda', 'cuda:0' or 'cpu', not {device!r} ({err}).") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("device is 'cuda' but no CUDA GPU is available here; pass 'cpu'.")
+        return {
+            "device": str(device),
+            "allocated": int(torch.cuda.memory_allocated(device)),
+            "max_allocated": int(torch.cuda.max_memory_allocated(device)),
+            "reserved": int(torch.cuda.memory_reserved(device)),
+        }
+    try:
+        import psutil
+
+        rss = int(psutil.Process().memory_info().rss)
+    except ImportError:  # pragma: no cover - psutil is a dependency
+        rss = -1
+    return {"device": str(device), "rss": rss}
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. Persistent state: params, grads, optimizer
+# ---------------------------------------------------------------------------------------------
+
+# The article: "memory = params x n", n = 2 for SGD (weights + grads) and 4 for Adam (+ m and v).
+# It says nothing of momentum, which keeps one more copy: n = 3.
+_SEED_N = {"sgd": 2, "sgd_momentum": 3, "adam": 4, "adamw": 4}
+
+
+def seed_multiplier(optimizer: str) -> int:
+    """The article's n in ``params x n``: 2 for SGD, 3 for SGD with momentum, 4 for Adam/AdamW."""
+    from .estimate import normalize_optimizer
+
+    key = normalize_optimizer(optimizer)
+    if key not in _SEED_N:
+        raise ValueError(f"The params x n rule covers {sorted(_SEED_N)}, not {optimizer!r} (8-bit Adam is notebook 05).")
+    return _SEED_N[key]
+
+
+def _storage_id(t: torch.Tensor):
+    try:
+        return (t.device.type, t.untyped_storage().data_ptr())
+    except Exception:  # fake tensors and some subclasses have no pointer
+        return id(t.untyped_storage())
+
+
+def _sum_unique(tensors, seen: set) -> int:
+    total = 0
+    for t in tensors:
+        key = _storage_id(t)
+        if key not in seen:
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
+    return total
+
+
+def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+    """Bytes alive now in the model's parameters, their gradients and the optimizer's state.
+
+    Measured from the tensors themselves (each storage once), so call it after a training step:
+    before the first ``optimizer.step()`` Adam has no state yet, and after
+    ``zero_grad(set_to_none=True)`` there are no gradients.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}.")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer or None, not {type(optimizer).__name__}.")
+    seen: set = set()
+    params = list(model.parameters())
+    out = {"params": _sum_unique(params, seen)}
+    out["grads"] = _sum_unique([p.grad for p in params if p.grad is not None], seen)
+    state = []
+    if optimizer is not None:
+        for per_param in optimizer.state.values():
+            state += [v for v in per_param.values() if isinstance(v, torch.Tensor)]
+    out["optimizer"] = _sum_unique(state, seen)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. Activations: module outputs (the article) vs what autograd saves
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class ModelSize:
+    """The article's ``modelsize()`` result, in bytes."""
+
+    params_bytes: int
+    outputs_bytes: int  # sum of the module outputs ("without backward")
+    n_outputs: int
+
+    @property
+    def with_backward_bytes(self) -> int:
+        """The article doubles the outputs for their gradients."""
+        return 2 * self.outputs_bytes
+
+
+def _check_type_size(type_size) -> int:
+    if isinstance(type_size, bool) or not isinstance(type_size, int) or type_size <= 0:
+        raise ValueError(f"type_size must be a positive number of bytes per element (4 for fp32), not {type_size!r}.")
+    return type_size
+
+
+def modelsize(model: nn.Module, input: torch.Tensor, type_size: int = 4) -> ModelSize:
+    """The article's ``modelsize()``: feed ``input`` through ``model.modules()`` one after the other.
+
+    Faithful to the original (skips in-place ReLUs, counts every other module's output), so it only
+    means something for an ``nn.Sequential`` of leaf modules; for anything else use
+    :func:`module_output_bytes`. Runs without gradients.
+    """
+    if not isinstance(model, nn.Sequential):
+        raise TypeError(
+            f"modelsize() chains model.modules() in order, which only works for an nn.Sequential, not "
+            f"{type(model).__name__}; use module_output_bytes(model, input) for other models."
+        )
+    if not isinstance(input, torch.Tensor):
+        raise TypeError(f"input must be an example batch (a tensor), not {type(input).__name__}.")
+    type_size = _check_type_size(type_size)
+    n_params = sum(p.numel() for p in model.parameters())
+    total, count = 0, 0
+    x = input.detach().clone()
+    with torch.no_grad():
+        for m in list(model.modules())[1:]:
+            if isinstance(m, nn.Sequential):
+                raise TypeError("modelsize() cannot follow nested nn.Sequential blocks; use module_output_bytes().")
+            if isinstance(m, nn.ReLU) and m.inplace:
+                continue
+            x = m(x)
+            total += x.numel()
+            count += 1
+    return ModelSize(params_bytes=n_params * type_size, outputs_bytes=total * type_size, n_outputs=count)
+
+
+def module_output_bytes(model: nn.Module, *inputs, skip_inplace: bool = True, **kwargs):
+    """Bytes of every leaf module's output in one forward pass (the article's count, for any model).
+
+    Returns ``(total_bytes, frame)`` where ``frame`` has one row per leaf module call
+    (module, type, shape, bytes). Outputs of in-place modules (``ReLU(inplace=True)``) are skipped as
+    the article does; ops that are not modules (``F.relu``, ``x + y``) are invisible to it by design.
+    """
+    import pandas as pd
+
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}.")
+    if not inputs and not kwargs:
+        raise ValueError("Pass an example input, e.g. module_output_bytes(model, torch.randn(8, 1, 28, 28)).")
+    rows = []
+    names = {m: n for n, m in model.named_modules()}
+
+    def hook(mod, args, out):
+        if skip_inplace and getattr(mod, "inplace", False):
+            return
+        for t in _tensors(out):
+            rows.append({"module": names.get(mod, "?"), "type": type(mod).__name__, "shape": tuple(t.shape),
+                         "bytes": t.numel() * t.element_size()})
+
+    handles = [m.register_forward_hook(hook) for m in model.modules() if not list(m.children())]
+    try:
+        with torch.no_grad():
+            model(*inputs, **kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    frame = pd.DataFrame(rows, columns=["module", "type", "shape", "bytes"])
+    return int(frame["bytes"].sum()), frame
+
+
+def _tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors(v)
+    elif isinstance(obj, dict) or (hasattr(obj, "values") and callable(obj.values)):
+        for v in obj.values():
+            yield from _tensors(v)
+
+
+def saved_tensors_by_op(output: torch.Tensor, *, exclude: Iterable[torch.Tensor] = ()):
+    """What autograd keeps for backward, read from the graph behind ``output``.
+
+    Walks ``output.grad_fn`` and collects every saved tensor (the ``_saved_*`` attributes of each
+    backward node), each storage once, leaving out ``exclude`` (pass ``model.parameters()``: weights
+    saved for backward are counted as parameters already). Returns a DataFrame with one row per
+    saved storage: op (the backward node), shape, dtype, bytes. Call it right after the forward,
+    before ``backward()`` frees them.
+    """
+    import pandas as pd
+
+    if not isinstance(output, torch.Tensor):
+        raise TypeError(f"output must be the tensor a forward pass returned (e.g. the loss), not {type(output).__name__}.")
+    if output.grad_fn is None:
+        raise ValueError(
+            "output has no autograd graph: run the forward with gradients on (not under torch.no_grad() "
+            "or inference_mode), with a model that has trainable parameters."
+        )
+    seen = {_storage_id(t) for t in exclude}
+    rows, stack, visited = [], [output.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in visited:
+            continue
+        visited.add(node)
+        for attr in dir(node):
+            if not attr.startswith("_saved_"):
+                continue
+            try:
+                value = getattr(node, attr)
+            except RuntimeError:  # already freed by a backward
+                raise ValueError("The graph's saved tensors were already freed by backward(); call this before it.") from None
+            for t in _tensors(value):
+                key = _storage_id(t)
+                if key in seen:
+                    continue
+                seen.add(key)
+                rows.append({"op": type(node).__name__.replace("Backward0", "").replace("Backward1", ""),
+                             "saved": attr[len("_saved_"):], "shape": tuple(t.shape), "dtype": str(t.dtype).replace("torch.", ""),
+                             "bytes": t.untyped_storage().nbytes()})
+        stack.extend(fn for fn, _ in node.next_functions if fn is not None)
+    return pd.DataFrame(rows, columns=["op", "saved", "shape", "dtype", "bytes"])
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. Memory over the steps of a loop (the `total_loss += loss` leak)
+# ---------------------------------------------------------------------------------------------
+
+class _LiveBytes:
+    """Counts bytes of tensor storages created while active and still alive (CPU or fake tensors)."""
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_flatten
+
+        tracker = self
+        self.current = 0
+        self.peak = 0
+        self._live: dict[int, int] = {}
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                for t in tree_flatten(out)[0]:
+                    if isinstance(t, torch.Tensor):
+                        tracker._add(t)
+                return out
+
+        self.mode = _Mode()
+
+    def _add(self, t: torch.Tensor) -> None:
+        storage = t.untyped_storage()
+        key = id(storage)
+        if key in self._live:
+            return
+        n = storage.nbytes()
+        self._live[key] = n
+        self.current += n
+        self.peak = max(self.peak, self.current)
+        weakref.finalize(storage, self._free, key)
+
+    def _free(self, key: int) -> None:
+        self.current -= self._live.pop(key, 0)
+
+
+def live_bytes_over_steps(step: Callable[[int], object], n_steps: int, *, device=None) -> list[int]:
+    """Run ``step(i)`` for i in range(n_steps); return the bytes still alive after each step.
+
+    Counts the tensors created by the steps (not the model's parameters made before), so a flat
+    line means "no leak" and a rising line is memory held across steps. On CUDA it is
+    ``torch.cuda.memory_allocated()`` minus its value before the first step; elsewhere tensors are
+    tracked as PyTorch creates them and counted until they are freed. Whatever ``step`` returns is
+    dropped at once.
+    """
+    if not callable(step):
+        raise TypeError(f"step must be a function of the step index, e.g. `def step(i): ...`, not {type(step).__name__}.")
+    if isinstance(n_steps, bool) or not isinstance(n_steps, int) or n_steps <= 0:
+        raise ValueError(f"n_steps must be a positive integer, not {n_steps!r}.")
+    device = torch.device(device) if device is not None else None
+    if device is not None and device.type == "cuda" and torch.cuda.is_available():
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated(device)
+        series = []
+        for i in range(n_steps):
+            step(i)
+            torch.cuda.synchronize()
+            series.append(int(torch.cuda.memory_allocated(device) - base))
+        return series
+    tracker = _LiveBytes()
+    series = []
+    with tracker.mode:
+        for i in range(n_steps):
+            step(i)
+            series.append(int(tracker.current))
+    return series
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. The largest batch that fits a budget
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class BatchSearch:
+    """Result of :func:`largest_batch_that_fits`."""
+
+    batch: int
+    peak_bytes: int
+    budget_bytes: int
+    tried: dict[int, int | None] = field(default_factory=dict)  # batch -> peak (None: out of memory)
+
+    def frame(self):
+        import pandas as pd
+
+        rows = [{"batch": b, "peak_MiB": (p / MIB if p is not None else math.nan),
+                 "fits": p is not None and p <= self.budget_bytes} for b, p in sorted(self.tried.items())]
+        return pd.DataFrame(rows)
+
+
+def _peak_of(result) -> int:
+    if hasattr(result, "peak_bytes"):
+        result = result.peak_bytes
+    if isinstance(result, bool) or not isinstance(result, (int, float)) or result < 0:
+        raise TypeError(
+            f"peak(batch) must return a MemoryReport or a number of bytes >= 0, not {result!r}."
+        )
+    return int(result)
+
+
+def largest_batch_that_fits(peak: Callable[[int], object], budget_bytes: int, *, start: int = 1,
+                            max_batch: int = 1 << 20) -> BatchSearch:
+    """Largest batch size whose measured peak stays within ``budget_bytes``.
+
+    ``peak(batch)`` measures one training step at that batch size and returns a
+    :class:`~course_utils.memory.MemoryReport` (from ``measure_memory``) or a byte count; a
+    ``torch.OutOfMemoryError`` counts as "does not fit". Doubles from ``start`` until a batch
+    does not fit, then narrows the bracket, alternating a guess from the straight line through
+    the bracket's two peaks (checked with its neighbour) and a bisection step: a handful of
+    measurements when the peak is linear in the batch, never more than about 2 log2(answer) + a few.
+    Assumes the peak grows with the batch (it does: activations are linear in it).
+    """
+    if not callable(peak):
+        raise TypeError(f"peak must be a function batch -> MemoryReport or bytes, not {type(peak).__name__}.")
+    for name, value in (("budget_bytes", budget_bytes), ("start", start), ("max_batch", max_batch)):
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name} must be a positive integer, not {value!r}.")
+    if start > max_batch:
+        raise ValueError(f"start ({start}) must not exceed max_batch ({max_batch}).")
+    tried: dict[int, int | None] = {}
+
+    def fits(b: int) -> bool:
+        if b not in tried:
+            try:
+                tried[b] = _peak_of(peak(b))
+            except torch.OutOfMemoryError:
+                tried[b] = None
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+        return tried[b] is not None and tried[b] <= budget_bytes
+
+    if not fits(start):
+        measured = tried[start]
+        raise ValueError(
+            f"Even batch {start} does not fit in {budget_bytes / MIB:.1f} MiB (it needs "
+            f"{'more than the device has' if measured is None else f'{measured / MIB:.1f} MiB'}): "
+            "raise the budget, or shrink the model (fewer/narrower layers, a smaller dtype)."
+        )
+    good, bad = start, None
+    while bad is None:
+        nxt = min(good * 2, max_batch)
+        if nxt == good:
+            break
+        if fits(nxt):
+            good = nxt
+        else:
+            bad = nxt
+    interpolate = True
+    while bad is not None and bad - good > 1:
+        p_good, p_bad = tried[good], tried[bad]
+        if interpolate and p_bad is not None and p_bad > p_good:
+            # the peak is close to a straight line in the batch: aim where the line meets the budget,
+            # then test the neighbour on the other side (usually the boundary, found in two measurements)
+            guess = good + int((budget_bytes - p_good) * (bad - good) // (p_bad - p_good))
+            guess = min(max(guess, good + 1), bad - 1)
+            if fits(guess):
+                good = guess
+                if guess + 1 < bad and not fits(guess + 1):
+                    bad = guess + 1
+            else:
+                bad = guess
+                if guess - 1 > good and fits(guess - 1):
+                    good = guess - 1
+        else:  # bisection: guarantees progress where the line is a poor guide (or out of memory)
+            mid = (good + bad) // 2
+            if fits(mid):
+                good = mid
+            else:
+                bad = mid
+        interpolate = not interpolate
+    return BatchSearch(batch=good, peak_bytes=tried[good], budget_bytes=budget_bytes, tried=tried)
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. Quick wins: before/after table and plot
+# ---------------------------------------------------------------------------------------------
+
+def quick_wins_frame(wins: dict[str, tuple[object, object]]):
+    """``{name: (before, after)}`` (MemoryReports or bytes) -> DataFrame with MiB and the saving."""
+    import pandas as pd
+
+    if not isinstance(wins, dict) or not wins:
+        raise ValueError("Pass a non-empty dict {quick win: (before, after)} of MemoryReports or byte counts.")
+    rows = []
+    for name, pair in wins.items():
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+            raise ValueError(f"{name!r}: give a (before, after) pair, not {pair!r}.")
+        before, after = (_peak_of(x) for x in pair)
+        if before == 0:
+            raise ValueError(f"{name!r}: the 'before' peak is 0 bytes; nothing to compare.")
+        rows.append({"quick win": name, "before_MiB": before / MIB, "after_MiB": after / MIB,
+                     "saved_MiB": (before - after) / MIB, "saved_pct": 100 * (before - after) / before})
+    return pd.DataFrame(rows)
+
+
+def plot_quick_wins(frame, ax=None, title: str = "Quick wins: peak memory before and after"):
+    """Grouped horizontal bars (before / after) per quick win, from :func:`quick_wins_frame`."""
+    import matplotlib.pyplot as plt
+    import seaborn as sns
+
+    needed = {"quick win", "before_MiB", "after_MiB"}
+    if not needed <= set(getattr(frame, "columns", ())):
+        raise ValueError(f"frame must come from quick_wins_frame() (columns {sorted(needed)}).")
+    long = frame.melt(id_vars="quick win", value_vars=["before_MiB", "after_MiB"], var_name="when", value_name="MiB")
+    long["when"] = long["when"].str.replace("_MiB", "")
+    if ax is None:
+        _, ax = plt.subplots(figsize=(8, 0.55 * len(frame) + 1.5))
+    sns.barplot(data=long, y="quick win", x="MiB", hue="when", ax=ax, palette=["#C44E52", "#55A868"])
+    ax.set_xlabel("peak memory (MiB)")
+    ax.set_ylabel("")
+    ax.set_title(title)
+    return ax

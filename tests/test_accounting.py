@@ -1,0 +1,314 @@
+"""Tests of course_utils.accounting (notebook 01's helpers). Small models only: the file runs in seconds."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from course_utils import accounting as A
+from course_utils.memory import MIB, measure_memory
+
+
+def _mlp(width=32, inplace=False):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Flatten(), nn.Linear(16, width), nn.ReLU(inplace=inplace), nn.Linear(width, width),
+                         nn.ReLU(inplace=inplace), nn.Linear(width, 4))
+
+
+# ---------------------------------------------------------------- monitoring
+
+def test_gpu_monitor_never_fails_and_explains_missing_tools(monkeypatch):
+    monkeypatch.setattr(A.shutil, "which", lambda name: None)
+    reports = A.gpu_monitor()
+    assert [r.tool for r in reports] == ["nvidia-smi", "gpustat", "nvtop"]
+    assert not any(r.available for r in reports)
+    assert all(r.output.startswith("Would show:") for r in reports)
+    assert "caching allocator" in reports[0].output and "CUDA context" in reports[0].output
+    assert "watch --color -n1 gpustat -cpu" in reports[1].output
+
+
+def test_gpu_monitor_reports_a_failing_tool_instead_of_raising(monkeypatch):
+    monkeypatch.setattr(A.shutil, "which", lambda name: "/usr/bin/" + name)
+
+    def broken(*args, **kwargs):
+        raise OSError("no driver")
+
+    monkeypatch.setattr(A.subprocess, "run", broken)
+    reports = A.gpu_monitor(["nvidia-smi", "nvtop"])
+    assert reports[0].available and "could not run (OSError: no driver)" in reports[0].output
+    assert reports[1].available and "interactive" in reports[1].output  # nvtop is never run
+
+
+def test_gpu_monitor_runs_an_installed_tool(monkeypatch):
+    monkeypatch.setattr(A.shutil, "which", lambda name: "/usr/bin/" + name)
+
+    class Done:
+        returncode, stdout, stderr = 0, "0, Fake GPU, 10 MiB, 16384 MiB, 0 %\n", ""
+
+    monkeypatch.setattr(A.subprocess, "run", lambda *a, **k: Done())
+    (report,) = A.gpu_monitor("nvidia-smi")
+    assert report.output == "0, Fake GPU, 10 MiB, 16384 MiB, 0 %"
+
+
+@pytest.mark.parametrize("bad", [["htop"], [], ["nvidia-smi", "top"]])
+def test_gpu_monitor_rejects_unknown_tools(bad):
+    with pytest.raises(ValueError, match="choose from"):
+        A.gpu_monitor(bad)
+
+
+def test_gpu_monitor_rejects_bad_timeout():
+    with pytest.raises(ValueError, match="timeout_s"):
+        A.gpu_monitor(timeout_s=0)
+
+
+def test_torch_memory_view_cpu_and_bad_device():
+    view = A.torch_memory_view("cpu")
+    assert view["device"] == "cpu" and view["rss"] > 0
+    with pytest.raises(ValueError, match="device"):
+        A.torch_memory_view("not-a-device")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA GPU"):
+            A.torch_memory_view("cuda")
+
+
+# ---------------------------------------------------------------- state and the n rule
+
+@pytest.mark.parametrize("name,opt,n", [
+    ("sgd", lambda p: torch.optim.SGD(p, lr=0.1), 2),
+    ("sgd_momentum", lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), 3),
+    ("adam", lambda p: torch.optim.Adam(p), 4),
+])
+def test_state_bytes_matches_the_seed_rule(name, opt, n):
+    model = _mlp()
+    optimizer = opt(model.parameters())
+    F.cross_entropy(model(torch.randn(8, 16)), torch.randint(0, 4, (8,))).backward()
+    optimizer.step()
+    state = A.state_bytes(model, optimizer)
+    n_params = sum(p.numel() for p in model.parameters())
+    assert state["params"] == 4 * n_params
+    assert state["grads"] == 4 * n_params
+    assert A.seed_multiplier(name) == n
+    # Adam also keeps one 4-byte step counter per parameter tensor
+    extra = 4 * len(list(model.parameters())) if name == "adam" else 0
+    assert state["optimizer"] == (n - 2) * 4 * n_params + extra
+
+
+def test_state_bytes_without_optimizer_and_grads():
+    model = _mlp()
+    assert A.state_bytes(model) == {"params": 4 * sum(p.numel() for p in model.parameters()), "grads": 0, "optimizer": 0}
+
+
+def test_state_bytes_and_seed_multiplier_reject_bad_input():
+    with pytest.raises(TypeError, match="nn.Module"):
+        A.state_bytes("model")
+    with pytest.raises(TypeError, match="Optimizer"):
+        A.state_bytes(_mlp(), optimizer="adam")
+    with pytest.raises(ValueError, match="Unknown optimizer"):
+        A.seed_multiplier("lion")
+    with pytest.raises(ValueError, match="notebook 05"):
+        A.seed_multiplier("adam8bit")
+
+
+# ---------------------------------------------------------------- activations
+
+def test_modelsize_reproduces_the_article():
+    model = _mlp(width=32)
+    x = torch.randn(5, 16)
+    ms = A.modelsize(model, x)
+    assert ms.params_bytes == 4 * sum(p.numel() for p in model.parameters())
+    # Flatten (5x16) + Linear (5x32) + ReLU (5x32) + Linear (5x32) + ReLU (5x32) + Linear (5x4)
+    assert ms.outputs_bytes == 4 * 5 * (16 + 32 * 4 + 4)
+    assert ms.with_backward_bytes == 2 * ms.outputs_bytes
+    assert ms.n_outputs == 6
+    inplace = A.modelsize(_mlp(width=32, inplace=True), x)  # the article skips in-place ReLUs
+    assert inplace.outputs_bytes == 4 * 5 * (16 + 32 * 2 + 4) and inplace.n_outputs == 4
+
+
+def test_modelsize_rejects_what_it_cannot_follow():
+    with pytest.raises(TypeError, match="module_output_bytes"):
+        A.modelsize(nn.Linear(3, 3), torch.randn(2, 3))
+    with pytest.raises(TypeError, match="tensor"):
+        A.modelsize(_mlp(), [1, 2])
+    with pytest.raises(ValueError, match="type_size"):
+        A.modelsize(_mlp(), torch.randn(2, 16), type_size=0)
+    with pytest.raises(TypeError, match="nested"):
+        A.modelsize(nn.Sequential(nn.Sequential(nn.Linear(16, 4))), torch.randn(2, 16))
+
+
+def test_saved_tensors_differ_from_module_outputs():
+    model = _mlp(width=32)
+    x = torch.randn(5, 16)
+    total, frame = A.module_output_bytes(model, x)
+    assert total == A.modelsize(model, x).outputs_bytes and len(frame) == 6
+    saved = A.saved_tensors_by_op(model(x), exclude=model.parameters())
+    # each Linear saves its input (x: 5x16, then the two ReLU outputs: 5x32), once each
+    assert int(saved.bytes.sum()) == 4 * 5 * (16 + 32 + 32)
+    assert set(saved.op) <= {"Addmm", "Relu", "T", "View"}
+    # in-place ReLU: the article's count drops, autograd saves the same bytes
+    inplace = _mlp(width=32, inplace=True)
+    assert int(A.saved_tensors_by_op(inplace(x.clone()), exclude=inplace.parameters()).bytes.sum()) == int(saved.bytes.sum())
+    assert A.module_output_bytes(inplace, x)[0] < total
+
+
+def test_functional_ops_are_invisible_to_the_module_count():
+    class Res(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return x + F.relu(self.fc(x))
+
+    model, x = Res(), torch.randn(4, 8)
+    total, frame = A.module_output_bytes(model, x)
+    assert total == 4 * 4 * 8 and list(frame.type) == ["Linear"]
+    saved = A.saved_tensors_by_op(model(x), exclude=model.parameters())
+    assert "Relu" in set(saved.op)  # F.relu's result: no module's output
+
+
+def test_saved_tensors_by_op_rejects_bad_input():
+    with pytest.raises(TypeError, match="tensor"):
+        A.saved_tensors_by_op([1.0])
+    with torch.no_grad():
+        out = _mlp()(torch.randn(2, 16))
+    with pytest.raises(ValueError, match="no autograd graph"):
+        A.saved_tensors_by_op(out)
+    model = _mlp()
+    out = model(torch.randn(2, 16)).sum()
+    out.backward()
+    with pytest.raises(ValueError, match="already freed"):
+        A.saved_tensors_by_op(out, exclude=model.parameters())
+
+
+def test_module_output_bytes_rejects_bad_input():
+    with pytest.raises(TypeError, match="nn.Module"):
+        A.module_output_bytes(lambda x: x, torch.randn(2))
+    with pytest.raises(ValueError, match="example input"):
+        A.module_output_bytes(_mlp())
+
+
+# ---------------------------------------------------------------- live bytes (the loss leak)
+
+def test_live_bytes_over_steps_sees_a_leak_and_a_flat_line():
+    model = _mlp(width=64)
+    totals = {"leak": 0.0, "item": 0.0}
+
+    def make_step(kind):
+        def step(i):
+            loss = F.cross_entropy(model(torch.randn(32, 16)), torch.randint(0, 4, (32,)))
+            totals[kind] = totals[kind] + (loss if kind == "leak" else loss.item())
+        return step
+
+    leak = A.live_bytes_over_steps(make_step("leak"), 4)
+    flat = A.live_bytes_over_steps(make_step("item"), 4)
+    per_step = [b - a for a, b in zip(leak, leak[1:])]
+    assert len(set(per_step)) == 1 and per_step[0] >= 4 * 32 * (16 + 64 + 64)  # at least the saved inputs
+    assert flat[-1] == flat[0]
+
+
+def test_live_bytes_counts_exact_sizes_and_frees():
+    kept = []
+    series = A.live_bytes_over_steps(lambda i: kept.append(torch.zeros(256)), 3)
+    assert series == [1024, 2048, 3072]
+    assert A.live_bytes_over_steps(lambda i: torch.zeros(256), 3) == [0, 0, 0]
+
+
+def test_live_bytes_rejects_bad_input():
+    with pytest.raises(TypeError, match="function"):
+        A.live_bytes_over_steps(3, 2)
+    with pytest.raises(ValueError, match="n_steps"):
+        A.live_bytes_over_steps(lambda i: None, 0)
+
+
+# ---------------------------------------------------------------- largest batch
+
+def test_largest_batch_that_fits_finds_the_exact_boundary():
+    calls = []
+
+    def peak(b):
+        calls.append(b)
+        return 1000 + 10 * b
+
+    result = A.largest_batch_that_fits(peak, budget_bytes=1000 + 10 * 37)
+    assert result.batch == 37 and result.peak_bytes == 1370
+    assert result.tried[38] == 1380
+    assert len(calls) <= 12
+    frame = result.frame()
+    assert frame.loc[frame.batch == 37, "fits"].item() and not frame.loc[frame.batch == 38, "fits"].item()
+
+
+def test_largest_batch_with_measure_memory_and_oom():
+    model = nn.Linear(64, 64)
+
+    def peak(b):
+        return measure_memory(lambda: model(torch.randn(b, 64)).sum().backward(), model=model)
+
+    result = A.largest_batch_that_fits(peak, budget_bytes=int(0.1 * MIB), start=8)
+    assert peak(result.batch).peak_bytes <= 0.1 * MIB < peak(result.batch + 1).peak_bytes
+
+    def oom(b):
+        if b > 20:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return b
+
+    assert A.largest_batch_that_fits(oom, budget_bytes=10**9).batch == 20
+    assert A.largest_batch_that_fits(lambda b: b, budget_bytes=10**9, max_batch=100).batch == 100
+
+
+def test_largest_batch_rejects_bad_input_and_impossible_budgets():
+    with pytest.raises(ValueError, match="Even batch 1 does not fit"):
+        A.largest_batch_that_fits(lambda b: 10**6, budget_bytes=10)
+    with pytest.raises(ValueError, match="budget_bytes"):
+        A.largest_batch_that_fits(lambda b: b, budget_bytes=-1)
+    with pytest.raises(ValueError, match="start"):
+        A.largest_batch_that_fits(lambda b: b, budget_bytes=10, start=20, max_batch=10)
+    with pytest.raises(TypeError, match="function"):
+        A.largest_batch_that_fits(5, budget_bytes=10)
+    with pytest.raises(TypeError, match="MemoryReport or a number"):
+        A.largest_batch_that_fits(lambda b: "big", budget_bytes=10)
+
+
+# ---------------------------------------------------------------- quick wins table
+
+def test_quick_wins_frame_and_plot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    frame = A.quick_wins_frame({"smaller batch": (4 * MIB, 3 * MIB), "no_grad": (2 * MIB, 2 * MIB)})
+    assert frame["saved_MiB"].tolist() == [1.0, 0.0]
+    assert frame["saved_pct"].tolist() == [25.0, 0.0]
+    ax = A.plot_quick_wins(frame)
+    assert ax.get_xlabel() == "peak memory (MiB)"
+    with pytest.raises(ValueError, match="non-empty"):
+        A.quick_wins_frame({})
+    with pytest.raises(ValueError, match="before, after"):
+        A.quick_wins_frame({"x": (1,)})
+    with pytest.raises(ValueError, match="nothing to compare"):
+        A.quick_wins_frame({"x": (0, 0)})
+    with pytest.raises(ValueError, match="quick_wins_frame"):
+        A.plot_quick_wins(frame.drop(columns="before_MiB"))
+
+
+def test_largest_batch_interpolates_a_linear_peak_in_few_measurements():
+    calls = []
+
+    def peak(b):
+        calls.append(b)
+        return 20_000_000 + 15_432 * b
+
+    result = A.largest_batch_that_fits(peak, budget_bytes=36 * MIB, start=1024)
+    assert result.batch == (36 * MIB - 20_000_000) // 15_432
+    assert len(calls) <= 5
+
+
+def test_largest_batch_handles_a_kinked_peak():
+    # flat (optimizer-step peak) up to 600, then linear: interpolation alone would mislead
+    def peak(b):
+        return max(10_000, 4_000 + 10 * b)
+
+    for budget in (10_000, 10_005, 12_345, 40_000):
+        result = A.largest_batch_that_fits(peak, budget_bytes=budget, start=1)
+        assert peak(result.batch) <= budget < peak(result.batch + 1)
