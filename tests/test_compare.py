@@ -33,9 +33,9 @@ def test_frame_has_union_of_figures_and_ratio(two_runs):
     assert missing["B"] is None or missing["B"] != missing["B"]  # absent in B
 
 
-def test_cli_prints_table(two_runs):
-    out = subprocess.run([sys.executable, "-m", "course_utils.compare", *map(str, two_runs)],
-                         capture_output=True, text=True, check=True).stdout
+def test_cli_prints_table(two_runs, capsys):
+    assert compare.main([str(p) for p in two_runs]) == 0
+    out = capsys.readouterr().out
     assert "activation_ratio" in out and "measured_gpu_peak_gib" in out and "smoke/cpu" in out
 
 
