@@ -21,24 +21,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from .distributed import local_state_bytes, rank_device
+from .models import mlp
 
 
 def build_mlp(in_features: int, width: int, n_classes: int, n_layers: int = 2, *, seed: int = 0) -> nn.Sequential:
     """The demo MLP, built from ``seed`` so every process (and the notebook) starts from the same weights."""
-    for name, value in (("in_features", in_features), ("width", width), ("n_classes", n_classes),
-                        ("n_layers", n_layers)):
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}.")
-    g = torch.random.fork_rng()
-    with g:
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"seed must be an integer, got {seed!r}.")
+    with torch.random.fork_rng():  # same weights in every process, the caller's RNG untouched
         torch.manual_seed(seed)
-        layers: list[nn.Module] = []
-        features = in_features
-        for _ in range(n_layers):
-            layers += [nn.Linear(features, width), nn.ReLU()]
-            features = width
-        layers.append(nn.Linear(features, n_classes))
-        return nn.Sequential(*layers)
+        net = mlp(n_layers=n_layers, width=width, in_features=in_features, n_classes=n_classes)
+    return nn.Sequential(*list(net)[1:])  # no Flatten: the demo feeds flat vectors
 
 
 def rank_slice(n: int, rank: int, world_size: int) -> slice:

@@ -533,7 +533,9 @@ def launch(fn, world_size: int = 2, *, args: tuple = (), kwargs: dict | None = N
                 # the others may wait forever in a collective: give them a moment, then stop them
                 _wait_all(procs, min(grace_s, max(0.0, deadline - time.monotonic())))
                 _stop(procs, grace_s)
-                raise LaunchError(_failure_message(workdir, procs, failed, qualname))
+                # name every rank that raised, not only the first to exit (a peer may lose the race)
+                raised = [r for r in range(world_size) if os.path.exists(os.path.join(workdir, f"rank{r}.err"))]
+                raise LaunchError(_failure_message(workdir, procs, raised or failed, qualname))
             if time.monotonic() > deadline:
                 _stop(procs, grace_s)
                 raise LaunchError(
