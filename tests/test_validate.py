@@ -47,3 +47,26 @@ def test_poller_without_nvidia_smi(monkeypatch):
     assert poller.available is False and poller.peak_mib is None
     with pytest.raises(ValueError):
         validate.GpuMemoryPoller(interval_s=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("profile, passes", [("smoke", False), ("full", True)])
+def test_saved_outputs_are_compared_in_smoke_only(tmp_path, profile, passes):
+    """Saved outputs come from a smoke run: a checked cell whose numbers depend on the profile must
+    fail in smoke when it changes, and must not fail a full (GPU) run, where the claims are the test."""
+    import subprocess
+    import sys
+
+    nb = nbformat.v4.new_notebook()
+    cell = nbformat.v4.new_code_cell("# NBVAL_CHECK_OUTPUT\nprint(2 + 2)", execution_count=1)
+    cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text="5\n")]  # saved by 'another profile'
+    nb.cells = [cell]
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    path = tmp_path / "01_checked.ipynb"
+    nbformat.write(nb, path)
+    root = validate.REPO_ROOT
+    env = {**__import__("os").environ, "COURSE_PROFILE": profile}
+    proc = subprocess.run([sys.executable, "-m", "pytest", str(path), "-q", "-p", "no:cacheprovider",
+                           "--rootdir", str(root), "-c", str(root / "pyproject.toml")],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert (proc.returncode == 0) is passes, proc.stdout[-2000:]
