@@ -26,8 +26,9 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
-MIB = 1024**2
-GIB = 1024**3
+from .memory import storage_key
+from .units import MIB
+
 
 # ---------------------------------------------------------------------------------------------
 # 1. Monitoring
@@ -168,17 +169,10 @@ def seed_multiplier(optimizer: str) -> int:
     return _SEED_N[key]
 
 
-def _storage_id(t: torch.Tensor):
-    try:
-        return (t.device.type, t.untyped_storage().data_ptr())
-    except Exception:  # fake tensors and some subclasses have no pointer
-        return id(t.untyped_storage())
-
-
 def _sum_unique(tensors, seen: set) -> int:
     total = 0
     for t in tensors:
-        key = _storage_id(t)
+        key = storage_key(t)
         if key not in seen:
             seen.add(key)
             total += t.untyped_storage().nbytes()
@@ -325,7 +319,7 @@ def saved_tensors_by_op(output: torch.Tensor, *, exclude: Iterable[torch.Tensor]
             "output has no autograd graph: run the forward with gradients on (not under torch.no_grad() "
             "or inference_mode), with a model that has trainable parameters."
         )
-    seen = {_storage_id(t) for t in exclude}
+    seen = {storage_key(t) for t in exclude}
     rows, stack, visited = [], [output.grad_fn], set()
     while stack:
         node = stack.pop()
@@ -340,7 +334,7 @@ def saved_tensors_by_op(output: torch.Tensor, *, exclude: Iterable[torch.Tensor]
             except RuntimeError:  # already freed by a backward
                 raise ValueError("The graph's saved tensors were already freed by backward(); call this before it.") from None
             for t in _tensors(value):
-                key = _storage_id(t)
+                key = storage_key(t)
                 if key in seen:
                     continue
                 seen.add(key)

@@ -37,7 +37,8 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
-GIB = 1024**3
+from .validation import positive_int, positive_number
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 OPTIMIZER_NAMES = ("adam8bit", "adam", "adamw", "sgd")
 VARIANTS = ("recipe", "streamed")
@@ -46,22 +47,6 @@ VARIANTS = ("recipe", "streamed")
 # ----------------------------------------------------------------------------------------------
 # argument checks
 # ----------------------------------------------------------------------------------------------
-def _positive_int(value, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be a whole number, not {value!r}.")
-    if value <= 0:
-        raise ValueError(f"{name} must be positive (got {value}).")
-    return value
-
-
-def _positive_float(value, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number, not {value!r}.")
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{name} must be a positive finite number (got {value}).")
-    return float(value)
-
-
 def _is_fake(t) -> bool:
     from torch._subclasses.fake_tensor import FakeTensor
 
@@ -83,11 +68,11 @@ class LossScaler:
 
     def __init__(self, init_scale: float = 2.0**16, *, dynamic: bool = True, growth_factor: float = 2.0,
                  backoff_factor: float = 0.5, growth_interval: int = 1000, min_scale: float = 1.0):
-        self.scale = _positive_float(init_scale, "init_scale")
-        self.growth_factor = _positive_float(growth_factor, "growth_factor")
-        self.backoff_factor = _positive_float(backoff_factor, "backoff_factor")
-        self.growth_interval = _positive_int(growth_interval, "growth_interval")
-        self.min_scale = _positive_float(min_scale, "min_scale")
+        self.scale = positive_number(init_scale, "init_scale")
+        self.growth_factor = positive_number(growth_factor, "growth_factor")
+        self.backoff_factor = positive_number(backoff_factor, "backoff_factor")
+        self.growth_interval = positive_int(growth_interval, "growth_interval")
+        self.min_scale = positive_number(min_scale, "min_scale")
         if not isinstance(dynamic, bool):
             raise TypeError(f"dynamic must be True or False, not {dynamic!r}.")
         if self.growth_factor <= 1:
@@ -187,7 +172,7 @@ class MasterCopyTrainer:
         self.device_params = [p for p in model.parameters() if p.requires_grad]
         if not self.device_params:
             raise ValueError("The model has no trainable parameters (requires_grad=True); nothing to train.")
-        self.lr = _positive_float(lr, "lr")
+        self.lr = positive_number(lr, "lr")
         if isinstance(weight_decay, bool) or not isinstance(weight_decay, (int, float)) or weight_decay < 0:
             raise ValueError(f"weight_decay must be a number >= 0, not {weight_decay!r}.")
         self.weight_decay = float(weight_decay)
@@ -202,7 +187,7 @@ class MasterCopyTrainer:
         elif isinstance(loss_scale, str):
             raise ValueError(f"loss_scale must be None, 'dynamic' or a positive number, not {loss_scale!r}.")
         else:
-            self.scaler = LossScaler(_positive_float(loss_scale, "loss_scale"), dynamic=False)
+            self.scaler = LossScaler(positive_number(loss_scale, "loss_scale"), dynamic=False)
         if host_device not in ("cpu", "meta"):
             raise ValueError(f"host_device must be 'cpu' (or 'meta' for fake-tensor predictions), not {host_device!r}.")
         self.host_device = host_device
@@ -466,8 +451,8 @@ def predict_gpu_peak(config_or_name="gpt2-xl", *, variant: str = "recipe", micro
 
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, not {variant!r}.")
-    _positive_int(micro_batch, "micro_batch")
-    _positive_int(seq_len, "seq_len")
+    positive_int(micro_batch, "micro_batch")
+    positive_int(seq_len, "seq_len")
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"dtype must be a floating torch.dtype such as torch.float16, not {dtype!r}.")
     device = device or fake_device()
@@ -511,12 +496,12 @@ def pcie_bytes_per_step(n_params: int, *, variant: str = "recipe", accum_steps: 
     The recipe copies the accumulated gradients once per step; the streamed variant copies
     every micro-batch's gradients (``accum_steps`` times). Both copy the new weights back once.
     """
-    n = _positive_int(n_params, "n_params")
+    n = positive_int(n_params, "n_params")
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, not {variant!r}.")
-    accum = _positive_int(accum_steps, "accum_steps")
-    _positive_int(grad_bytes, "grad_bytes")
-    _positive_int(weight_bytes, "weight_bytes")
+    accum = positive_int(accum_steps, "accum_steps")
+    positive_int(grad_bytes, "grad_bytes")
+    positive_int(weight_bytes, "weight_bytes")
     copies = 1 if variant == "recipe" else accum
     to_host = copies * n * grad_bytes
     to_device = n * weight_bytes
@@ -527,7 +512,7 @@ def transfer_seconds(n_bytes: int, gb_per_s: float) -> float:
     """Seconds to move ``n_bytes`` at ``gb_per_s`` (1e9 bytes per second)."""
     if isinstance(n_bytes, bool) or not isinstance(n_bytes, int) or n_bytes < 0:
         raise ValueError(f"n_bytes must be a whole number >= 0, not {n_bytes!r}.")
-    return n_bytes / (_positive_float(gb_per_s, "gb_per_s") * 1e9)
+    return n_bytes / (positive_number(gb_per_s, "gb_per_s") * 1e9)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -611,7 +596,7 @@ def course_corpus(notebooks_dir=None, *, min_chars: int = 2000) -> tuple[str, st
     Returns ``(text, source)``. Falls back to the source articles in ``../shared/seeds`` when
     the notebooks hold fewer than ``min_chars`` characters of prose.
     """
-    _positive_int(min_chars, "min_chars")
+    positive_int(min_chars, "min_chars")
     folder = Path(notebooks_dir) if notebooks_dir is not None else REPO_ROOT / "notebooks"
     if not folder.is_dir():
         raise ValueError(f"No notebooks folder at {folder.name!r}; pass notebooks_dir= the course's notebooks/ folder.")
@@ -716,8 +701,8 @@ class TokenBatches:
     def __post_init__(self):
         if not isinstance(self.tokens, torch.Tensor) or self.tokens.dim() != 1 or self.tokens.dtype.is_floating_point:
             raise TypeError("tokens must be a 1-D integer tensor of token ids.")
-        _positive_int(self.seq_len, "seq_len")
-        _positive_int(self.micro_batch, "micro_batch")
+        positive_int(self.seq_len, "seq_len")
+        positive_int(self.micro_batch, "micro_batch")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"seed must be a whole number >= 0, not {self.seed!r}.")
         if len(self.tokens) < self.seq_len + 1:
@@ -759,9 +744,9 @@ def sample_text(model: nn.Module, tokenizer, prompt: str, *, n_tokens: int = 60,
         raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}.")
     if not isinstance(prompt, str) or not prompt:
         raise ValueError("prompt must be a non-empty string.")
-    _positive_int(n_tokens, "n_tokens")
-    _positive_int(top_k, "top_k")
-    temperature = _positive_float(temperature, "temperature")
+    positive_int(n_tokens, "n_tokens")
+    positive_int(top_k, "top_k")
+    temperature = positive_number(temperature, "temperature")
     device = next(model.parameters()).device
     context = getattr(getattr(model, "config", None), "n_positions", 1024)
     ids = torch.tensor([tokenizer.encode(prompt)], device=device)

@@ -37,6 +37,9 @@ from datetime import timedelta
 
 import torch
 
+from .units import GIB
+from .validation import positive_int, positive_number
+
 # --------------------------------------------------------------------------------------------
 # ZeRO / FSDP memory formulas
 # --------------------------------------------------------------------------------------------
@@ -50,23 +53,6 @@ STAGE_LABELS = {
     2: "ZeRO-2 (+ gradients)",
     3: "ZeRO-3 / FSDP (+ parameters)",
 }
-GIB = 1024**3
-
-
-def _check_positive_int(value, what: str, example: str = "") -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{what} must be an integer{example}, not {type(value).__name__} {value!r}.")
-    if value <= 0:
-        raise ValueError(f"{what} must be positive{example}, not {value}.")
-    return value
-
-
-def _check_nonneg_number(value, what: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{what} must be a number, not {type(value).__name__} {value!r}.")
-    if not math.isfinite(value) or value < 0:
-        raise ValueError(f"{what} must be a finite number >= 0, not {value}.")
-    return value
 
 
 def _check_stage(stage) -> int:
@@ -105,12 +91,12 @@ def zero_bytes_per_rank(n_params: int, world_size: int, stage: int, *, param_byt
     >>> zero_bytes_per_rank(1_000, 4, 3).total   # 16 bytes/param / 4 ranks
     4000
     """
-    n_params = _check_positive_int(n_params, "n_params", " (number of parameters, e.g. 1_557_611_200)")
-    world_size = _check_positive_int(world_size, "world_size", " (number of ranks, e.g. 8)")
+    n_params = positive_int(n_params, "n_params", "number of parameters, e.g. 1_557_611_200")
+    world_size = positive_int(world_size, "world_size", "number of ranks, e.g. 8")
     stage = _check_stage(stage)
     per_param = {"params": param_bytes, "grads": grad_bytes, "optimizer": optimizer_bytes}
     for name, value in per_param.items():
-        _check_nonneg_number(value, f"{name[:-1] if name != 'optimizer' else name}_bytes (bytes per parameter)")
+        positive_number(value, f"{name[:-1] if name != 'optimizer' else name}_bytes (bytes per parameter)", allow_zero=True)
     sharded = {"optimizer": stage >= 1, "grads": stage >= 2, "params": stage >= 3}
     out = {}
     for name, b in per_param.items():
@@ -139,8 +125,8 @@ def zero_table(n_params: int, world_sizes=(1, 2, 4, 8, 16, 32, 64), stages=ZERO_
 def min_world_size(n_params: int, budget_bytes: int, stage: int, *, max_world_size: int = 4096,
                    **bytes_per_param) -> int | None:
     """The fewest ranks whose per-rank model state fits ``budget_bytes`` under ``stage``; None if none does."""
-    budget_bytes = _check_positive_int(budget_bytes, "budget_bytes", " (e.g. 80 * 1024**3)")
-    max_world_size = _check_positive_int(max_world_size, "max_world_size")
+    budget_bytes = positive_int(budget_bytes, "budget_bytes", "e.g. 80 * 1024**3")
+    max_world_size = positive_int(max_world_size, "max_world_size")
     for n in range(1, max_world_size + 1):
         if zero_bytes_per_rank(n_params, n, stage, **bytes_per_param).total <= budget_bytes:
             return n
@@ -163,7 +149,7 @@ def plot_zero_per_rank(n_params: int, world_sizes=(1, 2, 4, 8, 16, 32, 64), *, b
     ax.set_xticks(sorted(set(df["world_size"])))
     ax.set_xticklabels([str(n) for n in sorted(set(df["world_size"]))])
     if budget_bytes is not None:
-        _check_positive_int(budget_bytes, "budget_bytes")
+        positive_int(budget_bytes, "budget_bytes")
         ax.axhline(budget_bytes / GIB, color="black", linestyle="--", linewidth=1)
         ax.text(ax.get_xlim()[0], budget_bytes / GIB, f" {budget_label}", va="bottom", ha="left", fontsize=9)
     ax.legend(title="strategy", loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
@@ -178,8 +164,8 @@ def plot_zero_per_rank(n_params: int, world_sizes=(1, 2, 4, 8, 16, 32, 64), *, b
 # --------------------------------------------------------------------------------------------
 def bubble_fraction(p: int, m: int) -> float:
     """Idle fraction of a GPipe schedule: ``(p - 1) / (m + p - 1)`` for ``p`` stages, ``m`` micro-batches."""
-    p = _check_positive_int(p, "p", " (pipeline stages)")
-    m = _check_positive_int(m, "m", " (micro-batches per step)")
+    p = positive_int(p, "p", "pipeline stages")
+    m = positive_int(m, "m", "micro-batches per step")
     return (p - 1) / (m + p - 1)
 
 
@@ -190,8 +176,8 @@ def gpipe_schedule(p: int, m: int) -> list[dict]:
     Stage ``s`` runs the forward of micro-batch ``j`` at slot ``s + j``; all backwards start after
     the last forward, from the last stage back, so one step takes ``2 * (m + p - 1)`` slots.
     """
-    p = _check_positive_int(p, "p", " (pipeline stages)")
-    m = _check_positive_int(m, "m", " (micro-batches per step)")
+    p = positive_int(p, "p", "pipeline stages")
+    m = positive_int(m, "m", "micro-batches per step")
     cells = []
     t_fwd = m + p - 1
     for s in range(p):
@@ -277,15 +263,15 @@ def offload_pcie_cost(n_params: int, *, link: str | float = "pcie4_x16", grad_by
     :data:`PCIE_GB_PER_S` or a bandwidth in GB/s; ``efficiency`` (0-1] scales it to what copies
     really reach.
     """
-    n_params = _check_positive_int(n_params, "n_params")
-    _check_nonneg_number(grad_bytes, "grad_bytes")
-    _check_nonneg_number(param_bytes, "param_bytes")
+    n_params = positive_int(n_params, "n_params")
+    positive_number(grad_bytes, "grad_bytes", allow_zero=True)
+    positive_number(param_bytes, "param_bytes", allow_zero=True)
     if isinstance(link, str):
         if link not in PCIE_GB_PER_S:
             raise ValueError(f"Unknown link {link!r}; use one of {sorted(PCIE_GB_PER_S)} or a bandwidth in GB/s.")
         gb_s = PCIE_GB_PER_S[link]
     else:
-        gb_s = _check_nonneg_number(link, "link bandwidth (GB/s)")
+        gb_s = positive_number(link, "link bandwidth (GB/s)", allow_zero=True)
         if gb_s == 0:
             raise ValueError("link bandwidth must be > 0 GB/s, e.g. 16 for PCIe 3.0 x16.")
     if isinstance(efficiency, bool) or not isinstance(efficiency, (int, float)) or not 0 < efficiency <= 1:
@@ -302,13 +288,13 @@ def deepspeed_zero_offload_config(*, micro_batch_size: int = 4, grad_accum_steps
     Shown in the course, not run (DeepSpeed is not a course dependency). ``offload_params``
     (stage 3 only) also keeps the fp16 parameters on the CPU (ZeRO-Infinity style).
     """
-    _check_positive_int(micro_batch_size, "micro_batch_size")
-    _check_positive_int(grad_accum_steps, "grad_accum_steps")
+    positive_int(micro_batch_size, "micro_batch_size")
+    positive_int(grad_accum_steps, "grad_accum_steps")
     if stage not in (1, 2, 3) or isinstance(stage, bool):
         raise ValueError(f"ZeRO-Offload needs stage 1, 2 or 3, not {stage!r}.")
     if offload_params and stage != 3:
         raise ValueError("offload_params needs stage=3: only ZeRO-3 shards (and so can offload) the parameters.")
-    _check_nonneg_number(lr, "lr")
+    positive_number(lr, "lr", allow_zero=True)
     zero = {
         "stage": stage,
         "offload_optimizer": {"device": "cpu", "pin_memory": True},
@@ -350,7 +336,7 @@ def default_backend(world_size: int) -> str:
     """'nccl' when there is one CUDA GPU per rank (and at least 2), else 'gloo' (CPU)."""
     import torch.distributed as dist
 
-    world_size = _check_positive_int(world_size, "world_size")
+    world_size = positive_int(world_size, "world_size")
     if world_size >= 2 and torch.cuda.is_available() and torch.cuda.device_count() >= world_size \
             and dist.is_available() and dist.is_nccl_available():
         return "nccl"
@@ -482,7 +468,7 @@ def launch(fn, world_size: int = 2, *, args: tuple = (), kwargs: dict | None = N
             "the worker processes cannot import it. Put it at the top level of a .py module "
             "(see course_utils/dist_workers.py)."
         )
-    world_size = _check_positive_int(world_size, "world_size", " (number of processes, e.g. 2)")
+    world_size = positive_int(world_size, "world_size", "number of processes, e.g. 2")
     if not isinstance(args, (tuple, list)):
         raise TypeError(f"args must be a tuple of positional arguments, not {type(args).__name__}.")
     kwargs = {} if kwargs is None else kwargs
@@ -500,7 +486,7 @@ def launch(fn, world_size: int = 2, *, args: tuple = (), kwargs: dict | None = N
         raise ValueError(f"grace_s must be a number of seconds >= 0, e.g. 3, not {grace_s!r}.")
     if threads_per_rank is None:
         threads_per_rank = max(1, (os.cpu_count() or 1) // world_size)
-    threads_per_rank = _check_positive_int(threads_per_rank, "threads_per_rank")
+    threads_per_rank = positive_int(threads_per_rank, "threads_per_rank")
 
     workdir = tempfile.mkdtemp(prefix="course_dist_")
     procs: list[subprocess.Popen] = []

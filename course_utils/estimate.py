@@ -21,8 +21,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-GIB = 1024**3
-MIB = 1024**2
+from .memory import storage_key
+from .validation import positive_int
+
 
 _DTYPE_ALIASES = {
     "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
@@ -64,15 +65,6 @@ def normalize_optimizer(name: str) -> str:
     return key
 
 
-def _check_count(value, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int,)) and not (isinstance(value, float) and value.is_integer()):
-        raise TypeError(f"{what} must be a whole number, not {value!r}.")
-    value = int(value)
-    if value <= 0:
-        raise ValueError(f"{what} must be positive (got {value}).")
-    return value
-
-
 def count_params(model: nn.Module, *, trainable_only: bool = False) -> int:
     """Number of parameters, each shared (tied) parameter counted once."""
     if not isinstance(model, nn.Module):
@@ -88,14 +80,14 @@ def optimizer_state_bytes(n_params: int, optimizer: str = "adam", *, param_dtype
     bitsandbytes' rule that tensors under 4096 elements keep 32-bit state; without it every
     tensor is assumed large.
     """
-    n_params = _check_count(n_params, "n_params")
+    n_params = positive_int(n_params, "n_params", whole_floats=True)
     opt = normalize_optimizer(optimizer)
     if opt != "adam8bit":
         return _STATE_COPIES[opt] * n_params * bytes_per_element(param_dtype)
     sizes = tensor_sizes if tensor_sizes is not None else [n_params]
     total = 0
     for size in sizes:
-        size = _check_count(size, "tensor size")
+        size = positive_int(size, "tensor size", whole_floats=True)
         if size < BNB_MIN_8BIT_SIZE:
             total += 2 * 4 * size
         else:
@@ -118,7 +110,7 @@ class TrainingBytes:
         return self.params + self.grads + self.optimizer + self.master_weights
 
     def per_param(self, n_params: int) -> float:
-        return self.total / _check_count(n_params, "n_params")
+        return self.total / positive_int(n_params, "n_params", whole_floats=True)
 
 
 def training_state_bytes(n_params: int, *, optimizer: str = "adam", param_dtype="fp32",
@@ -129,7 +121,7 @@ def training_state_bytes(n_params: int, *, optimizer: str = "adam", param_dtype=
     works on an fp32 copy, so its state is fp32 whatever the model's dtype:
     2 (fp16 weights) + 2 (fp16 grads) + 4 (master) + 8 (Adam m, v) = 16 bytes/param.
     """
-    n_params = _check_count(n_params, "n_params")
+    n_params = positive_int(n_params, "n_params", whole_floats=True)
     width = bytes_per_element(param_dtype)
     state_dtype = "fp32" if master_weights else param_dtype
     return TrainingBytes(
@@ -140,13 +132,8 @@ def training_state_bytes(n_params: int, *, optimizer: str = "adam", param_dtype=
     )
 
 
-def _storage_key(t: torch.Tensor) -> int:
-    # The C++ storage's address: shared by views, distinct for fake tensors (whose data_ptr() is 0).
-    return t.untyped_storage()._cdata
-
-
 def _param_keys(model: nn.Module) -> set:
-    return {_storage_key(p) for p in model.parameters()}
+    return {storage_key(p) for p in model.parameters()}
 
 
 def _forward_profile(model: nn.Module, inputs, kwargs) -> dict:
@@ -175,7 +162,7 @@ def _forward_profile(model: nn.Module, inputs, kwargs) -> dict:
 
     def pack(t: torch.Tensor):
         storage = t.untyped_storage()
-        key = _storage_key(t)
+        key = storage_key(t)
         if key not in params and key not in seen:
             seen.add(key)
             segments[-1]["saved"] += storage.nbytes()

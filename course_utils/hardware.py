@@ -12,8 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
+from .units import GIB
+
 PROFILES = ("smoke", "full")
-GIB = 1024**3
 
 
 def device_type() -> str:

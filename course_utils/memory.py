@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from .units import GIB, MIB  # noqa: F401 - re-exported: notebooks import them from here
+
 try:  # private API: wrapped here so a change upstream breaks one file, with a clear message
     from torch.distributed._tools.mem_tracker import MemTracker
 except ImportError as _err:  # pragma: no cover
@@ -34,8 +36,6 @@ except ImportError as _err:  # pragma: no cover
 else:
     _IMPORT_ERROR = None
 
-MIB = 1024**2
-GIB = 1024**3
 CATEGORIES = ("params", "grads", "optimizer", "activations", "other")
 _TRACKER_TO_CATEGORY = {
     "Parameter": "params",
@@ -143,19 +143,11 @@ class _MultiStepMemTracker(MemTracker if MemTracker is not None else object):
 def _optimizer_state_bytes(optimizer) -> int:
     if optimizer is None:
         return 0
-    seen, total = set(), 0
-    for state in optimizer.state.values():
-        for value in state.values():
-            if isinstance(value, torch.Tensor):
-                key = _storage_key(value)
-                if key not in seen:
-                    seen.add(key)
-                    total += value.untyped_storage().nbytes()
-    return total
+    return tensor_bytes(*(v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)))
 
 
-def _storage_key(t: torch.Tensor):
-    # The C++ storage's address: shared by views, distinct for fake tensors (whose data_ptr() is 0).
+def storage_key(t: torch.Tensor) -> int:
+    """Identifies a tensor's storage: shared by views, distinct for fake tensors (whose data_ptr() is 0)."""
     return t.untyped_storage()._cdata
 
 
@@ -276,7 +268,7 @@ def tensor_bytes(*tensors: torch.Tensor) -> int:
     for t in tensors:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"tensor_bytes takes tensors, not {type(t).__name__}.")
-        key = _storage_key(t)
+        key = storage_key(t)
         if key not in seen:
             seen.add(key)
             total += t.untyped_storage().nbytes()

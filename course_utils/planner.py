@@ -49,10 +49,11 @@ import itertools
 import math
 from dataclasses import dataclass, field, replace
 
-from .estimate import optimizer_state_bytes
+from .estimate import OPTIMIZERS, optimizer_state_bytes
+from .memory import CATEGORIES as MEMORY_CATEGORIES
+from .units import GIB, MIB
+from .validation import positive_int, positive_number
 
-GIB = 1024**3
-MIB = 1024**2
 
 CUDA_CONTEXT_BYTES = 512 * MIB
 ALLOCATOR_OVERHEAD = 0.05
@@ -61,10 +62,10 @@ SMALL_BATCH_PENALTY = 0.10
 CHECKPOINT_COMPUTE_FACTOR = 4 / 3
 CPU_STEP_NS_PER_PARAM = 2.0
 
-CATEGORIES = ("params", "grads", "optimizer", "activations", "other", "overhead")
+CATEGORIES = MEMORY_CATEGORIES + ("overhead",)  # what measure_memory reports, plus CUDA context
 CHECKPOINTING = ("none", "block", "sqrt")
 PRECISIONS = ("fp32", "fp16_amp", "bf16_amp", "fp16", "bf16")
-PLANNER_OPTIMIZERS = ("sgd", "sgd_momentum", "adam", "adamw", "adam8bit")
+PLANNER_OPTIMIZERS = OPTIMIZERS
 
 # Each technique the search can turn on, and the notebook that teaches it.
 NOTEBOOKS = {
@@ -119,12 +120,12 @@ _GPU_ALIASES = {"1080ti": "GTX 1080 Ti (11 GB)", "gtx1080ti": "GTX 1080 Ti (11 G
 
 def custom_gpu(memory_gib: float, *, name: str = "custom GPU", **speeds) -> GPUSpec:
     """A GPU you describe: its memory in GiB (speeds default to an RTX 3060's)."""
-    _check_positive_number(memory_gib, "memory_gib", "e.g. custom_gpu(6) for a 6 GiB card")
+    positive_number(memory_gib, "memory_gib", "e.g. custom_gpu(6) for a 6 GiB card")
     for key, value in speeds.items():
         if key not in ("fp32_tflops", "half_tflops", "bf16", "mem_bandwidth_gbs", "pcie_gbs"):
             raise ValueError(f"Unknown GPU field {key!r}; use fp32_tflops, half_tflops, bf16, mem_bandwidth_gbs, pcie_gbs.")
         if key != "bf16":
-            _check_positive_number(value, key, "speeds are positive numbers")
+            positive_number(value, key, "speeds are positive numbers")
     return GPUSpec(name, int(memory_gib * GIB), **speeds)
 
 
@@ -202,10 +203,10 @@ def custom_model(n_params: int, activation_bytes_per_sample: float, *, n_blocks:
     activations, largest saved tensor = 1/4: typical of a transformer layer); under mixed
     precision or pure half they are assumed to halve (measured: 0.55-0.6 for GPT-2).
     """
-    n_params = _check_positive_int(n_params, "n_params", "e.g. 350_000_000")
-    _check_positive_number(activation_bytes_per_sample, "activation_bytes_per_sample",
+    n_params = positive_int(n_params, "n_params", "e.g. 350_000_000", whole_floats=True)
+    positive_number(activation_bytes_per_sample, "activation_bytes_per_sample",
                            "measure it with course_utils.estimate.activation_bytes(model, one_sample)")
-    n_blocks = _check_positive_int(n_blocks, "n_blocks", "e.g. 12")
+    n_blocks = positive_int(n_blocks, "n_blocks", "e.g. 12", whole_floats=True)
     per_block = activation_bytes_per_sample / n_blocks
 
     def coeffs(scale):
@@ -574,7 +575,7 @@ def measure_on_cpu(model, *, micro_batch: int, size=None, optimizer: str = "adam
 
     if not isinstance(model, str):
         raise TypeError(f"model must be a preset name, not {type(model).__name__}.")
-    micro_batch = _check_positive_int(micro_batch, "micro_batch", "e.g. 8")
+    micro_batch = positive_int(micro_batch, "micro_batch", "e.g. 8", whole_floats=True)
     if model.startswith("bert") or (model.startswith("gpt2") and not gpt2_overrides) or model == "resnet50":
         raise ValueError(f"{model!r} is too big to train on a CPU here: use 'mlp', 'small-cnn', 'resnet18' "
                          "or a small GPT-2 (gpt2_overrides=dict(n_layer=2, n_embd=128, n_head=4)).")
@@ -588,7 +589,7 @@ def measure_on_cpu(model, *, micro_batch: int, size=None, optimizer: str = "adam
 
     def batch():
         if model.startswith("gpt2"):
-            seq = _check_positive_int(size or 64, "sequence length", "e.g. 64")
+            seq = positive_int(size or 64, "sequence length", "e.g. 64", whole_floats=True)
             x = torch.randint(0, net.config.vocab_size, (micro_batch, seq))
             return (), {"input_ids": x, "labels": x}
         args, _ = make(1, size) if size else make(1)
@@ -702,22 +703,6 @@ class Plan:
     __str__ = summary
 
 
-def _check_positive_int(value, what, hint):
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (isinstance(value, float) and not value.is_integer()):
-        raise TypeError(f"{what} must be a whole number ({hint}), not {value!r}.")
-    if value <= 0:
-        raise ValueError(f"{what} must be positive, got {value}; {hint}.")
-    return int(value)
-
-
-def _check_positive_number(value, what, hint):
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{what} must be a number ({hint}), not {value!r}.")
-    if not (value > 0 and math.isfinite(value)):
-        raise ValueError(f"{what} must be a positive number, got {value}; {hint}.")
-    return value
-
-
 def _normalize_precision(p) -> str:
     if not isinstance(p, str):
         raise TypeError(f"precision must be a name such as 'fp16_amp', not {type(p).__name__}.")
@@ -750,12 +735,12 @@ def _normalize_optimizer(o) -> str:
 def make_settings(model: ModelSpec, *, micro_batch, size=None, accumulation=1, checkpointing="none",
                   precision="fp32", optimizer="adam", master_on_cpu=False, stream_grads=False) -> Settings:
     """Check and normalize the knobs; raises ValueError/TypeError saying what to change."""
-    micro_batch = _check_positive_int(micro_batch, "micro_batch", "e.g. 8")
-    accumulation = _check_positive_int(accumulation, "accumulation", "1 means no accumulation")
+    micro_batch = positive_int(micro_batch, "micro_batch", "e.g. 8", whole_floats=True)
+    accumulation = positive_int(accumulation, "accumulation", "1 means no accumulation", whole_floats=True)
     if size is None:
         size = model.default_size
     what = "sequence length" if model.unit == "token" else "image size"
-    size = _check_positive_int(size, what, "e.g. 1024 tokens or 224 pixels")
+    size = positive_int(size, what, "e.g. 1024 tokens or 224 pixels", whole_floats=True)
     if model.unit == "token" and model.name.startswith("gpt2") and size > 1024:
         raise ValueError(f"GPT-2 reads at most 1024 tokens; set the sequence length to 1024 or less (got {size}).")
     if model.unit == "token" and model.name.startswith("bert") and size > 512:

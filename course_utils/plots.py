@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from typing import Mapping
 
-GIB = 1024**3
+from .units import GIB, MIB
+
 CATEGORY_ORDER = ("params", "grads", "optimizer", "master_weights", "activations", "other", "overhead")
 CATEGORY_COLORS = {
     "params": "#4C72B0", "grads": "#DD8452", "optimizer": "#55A868", "master_weights": "#8172B3",
@@ -41,7 +42,7 @@ def plot_ledger(items: Mapping[str, object], *, budget_bytes: int | None = None,
 
     if unit not in ("GiB", "MiB"):
         raise ValueError("unit must be 'GiB' or 'MiB'.")
-    scale = GIB if unit == "GiB" else 1024**2
+    scale = GIB if unit == "GiB" else MIB
     frame = ledger_frame(items)
     if ax is None:
         _, ax = plt.subplots(figsize=(8, 0.6 * len(items) + 1.5))

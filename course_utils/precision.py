@@ -19,6 +19,8 @@ from typing import Callable
 import torch
 from torch import nn
 
+from .validation import float_tensor
+
 FORMATS = ("fp32", "tf32", "fp16", "bf16")
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # bits of (sign, exponent, mantissa): finfo has no tf32, it is a matmul mode of fp32 tensors
@@ -95,16 +97,6 @@ def plot_ranges(formats=FORMATS, *, ax=None, mark: dict | None = None):
     return ax
 
 
-def _check_tensor(t, what="tensor") -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{what} must be a torch.Tensor, not {type(t).__name__}.")
-    if not t.is_floating_point():
-        raise TypeError(f"{what} must be a floating-point tensor (a gradient), not {t.dtype}.")
-    if t.numel() == 0:
-        raise ValueError(f"{what} is empty; pass a gradient with values.")
-    return t
-
-
 def _check_scale(scale) -> float:
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (scale > 0 and math.isfinite(scale)):
         raise ValueError(f"scale must be a positive finite number such as 1024, not {scale!r}.")
@@ -113,7 +105,7 @@ def _check_scale(scale) -> float:
 
 def underflow_fraction(tensor: torch.Tensor, dtype, *, scale: float = 1.0) -> float:
     """Share of the non-zero values of ``tensor * scale`` that become exactly 0 when cast to ``dtype``."""
-    t = _check_tensor(tensor).detach().double().flatten() * _check_scale(scale)
+    t = float_tensor(tensor, "tensor", "a gradient").detach().double().flatten() * _check_scale(scale)
     nonzero = t[(t != 0) & torch.isfinite(t)]
     if nonzero.numel() == 0:
         raise ValueError("tensor has no non-zero finite values; run a backward pass first.")
@@ -122,7 +114,7 @@ def underflow_fraction(tensor: torch.Tensor, dtype, *, scale: float = 1.0) -> fl
 
 def overflow_fraction(tensor: torch.Tensor, dtype, *, scale: float = 1.0) -> float:
     """Share of the finite values of ``tensor * scale`` that become inf when cast to ``dtype``."""
-    t = _check_tensor(tensor).detach().double().flatten() * _check_scale(scale)
+    t = float_tensor(tensor, "tensor", "a gradient").detach().double().flatten() * _check_scale(scale)
     finite = t[torch.isfinite(t)]
     if finite.numel() == 0:
         raise ValueError("tensor has no finite values.")

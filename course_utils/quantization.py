@@ -18,18 +18,11 @@ import math
 import torch
 from torch import nn
 
+from .memory import storage_key, tensor_bytes
+from .validation import float_tensor
+
 BNB_BLOCKSIZE = 256
 INT8_LEVELS = 127  # symmetric int8: values -127..127
-
-
-def _check_float_tensor(x, what="x") -> torch.Tensor:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{what} must be a torch.Tensor, not {type(x).__name__}.")
-    if not x.is_floating_point():
-        raise TypeError(f"{what} must be a floating-point tensor, not {x.dtype}.")
-    if x.numel() == 0:
-        raise ValueError(f"{what} is empty.")
-    return x
 
 
 def _check_blocksize(blocksize) -> int:
@@ -40,7 +33,7 @@ def _check_blocksize(blocksize) -> int:
 
 def error_metrics(x: torch.Tensor, x_hat: torch.Tensor) -> dict:
     """Mean/max absolute error, RMSE and relative mean error (mean |error| / mean |x|) of a round trip."""
-    x, x_hat = _check_float_tensor(x, "x"), _check_float_tensor(x_hat, "x_hat")
+    x, x_hat = float_tensor(x, "x"), float_tensor(x_hat, "x_hat")
     if x.shape != x_hat.shape:
         raise ValueError(f"x and x_hat must have the same shape, not {tuple(x.shape)} and {tuple(x_hat.shape)}.")
     x, x_hat = x.detach().double().flatten().cpu(), x_hat.detach().double().flatten().cpu()
@@ -63,23 +56,13 @@ def _state_tensors(optimizer):
                 yield param, key, value
 
 
-def _storage_key(t: torch.Tensor):
-    return (t.device, t.untyped_storage().data_ptr())
-
-
 def state_bytes(optimizer) -> int:
     """Bytes held by the optimizer's state tensors, each storage counted once.
 
     bitsandbytes shares its quantization maps (``qmap1``/``qmap2``) between parameters; they
     count once. Zero before the first ``optimizer.step()`` (state is created lazily).
     """
-    seen, total = set(), 0
-    for _, _, t in _state_tensors(optimizer):
-        key = _storage_key(t)
-        if key not in seen:
-            seen.add(key)
-            total += t.untyped_storage().nbytes()
-    return total
+    return tensor_bytes(*(t for _, _, t in _state_tensors(optimizer)))
 
 
 def state_table(optimizer, model: nn.Module | None = None):
@@ -102,7 +85,7 @@ def state_table(optimizer, model: nn.Module | None = None):
                                           "numel": param.numel(), "state dtype": None})
         if row["state dtype"] is None and t.numel() == param.numel():
             row["state dtype"] = str(t.dtype).replace("torch.", "")
-        skey = _storage_key(t)
+        skey = storage_key(t)
         row[key] = 0 if skey in seen else t.untyped_storage().nbytes()
         seen.add(skey)
     if not rows:
@@ -125,7 +108,7 @@ def bnb_roundtrip(x: torch.Tensor, *, blocksize: int = BNB_BLOCKSIZE, code: str 
     """
     import bitsandbytes.functional as BF
 
-    x = _check_float_tensor(x)
+    x = float_tensor(x, "x")
     blocksize = _check_blocksize(blocksize)
     maps = {"dynamic": lambda: BF.create_dynamic_map(signed=True),
             "dynamic_unsigned": lambda: BF.create_dynamic_map(signed=False),
@@ -144,7 +127,7 @@ def blockwise_quantize(x: torch.Tensor, blocksize: int = BNB_BLOCKSIZE):
     The flat tensor is cut into blocks of ``blocksize`` (the last one zero-padded); each block
     is divided by its largest magnitude and mapped to the integers -127..127.
     """
-    x = _check_float_tensor(x)
+    x = float_tensor(x, "x")
     blocksize = _check_blocksize(blocksize)
     flat = x.detach().float().flatten()
     n = flat.numel()
@@ -161,7 +144,7 @@ def blockwise_dequantize(q: torch.Tensor, absmax: torch.Tensor, blocksize: int =
     """Inverse of :func:`blockwise_quantize` (fp32 result, reshaped to ``shape`` if given)."""
     if not isinstance(q, torch.Tensor) or q.dtype not in (torch.int8, torch.uint8, torch.int16, torch.int32):
         raise TypeError("q must be an integer tensor, as returned by blockwise_quantize.")
-    absmax = _check_float_tensor(absmax, "absmax")
+    absmax = float_tensor(absmax, "absmax")
     blocksize = _check_blocksize(blocksize)
     n = q.numel()
     if absmax.numel() != math.ceil(n / blocksize):
@@ -207,7 +190,7 @@ def check_blockwise_exercise(quantize_fn, dequantize_fn, x: torch.Tensor, blocks
 
     if not callable(quantize_fn) or not callable(dequantize_fn):
         raise TypeError("Pass your two functions themselves (my_quantize, my_dequantize), not their results.")
-    x = _check_float_tensor(x)
+    x = float_tensor(x, "x")
     blocksize = _check_blocksize(blocksize)
     out = quantize_fn(x, blocksize)
     if out is None or out is Ellipsis:
