@@ -17,8 +17,11 @@ $(STAMP): requirements.txt pyproject.toml
 
 install: $(STAMP)
 
+# Jupyter refuses to run as root unless told; containers and cloud machines often are root.
+ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
+
 lab: install
-	$(VENV)/bin/jupyter lab notebooks/00_start_here.ipynb
+	$(VENV)/bin/jupyter lab $(ALLOW_ROOT) notebooks/00_start_here.ipynb
 
 test: install
 	$(PY) -m pytest
