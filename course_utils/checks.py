@@ -108,3 +108,63 @@ def _fmt(value) -> str:
     if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10_000:
         return f"{value:,}"
     return repr(value) if isinstance(value, str) else str(value)
+
+
+# ----------------------------------------------------------------------------------------------
+# predict, then measure
+# ----------------------------------------------------------------------------------------------
+_predictions: list[str] = []
+
+
+def compare_prediction(name: str, predicted, measured, *, unit: str = "", why_off: str = "",
+                       close_enough: float = 0.25) -> float:
+    """Print the learner's prediction beside the measurement and how far off it was.
+
+    ``predicted`` comes from a cell tagged ``predict`` (a variable with a default the learner
+    overwrites); ``why_off`` is the usual reason for a miss, printed when the prediction is off by
+    more than ``close_enough`` (relative). Returns the relative error. Each call counts towards
+    :func:`prediction_count`, which a notebook records as ``prediction_cells``.
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError("name must say what was predicted, e.g. 'peak memory of one step'.")
+    if predicted is None or predicted is Ellipsis:
+        raise ValueError(f"Prediction '{name}': put your number in the `predict` cell above, then run this cell again.")
+    if isinstance(predicted, bool) or not isinstance(predicted, (int, float)):
+        raise TypeError(f"Prediction '{name}' must be a number (in {unit or 'the unit asked'}), not {predicted!r}.")
+    if isinstance(measured, bool) or not isinstance(measured, (int, float)):
+        raise TypeError(f"measured must be a number, not {measured!r}.")
+    error = (predicted - measured) / max(abs(measured), 1e-30)
+    suffix = f" {unit}" if unit else ""
+    direction = "too high" if error > 0 else "too low"
+    verdict = "spot on" if abs(error) < 0.02 else f"{abs(error):.0%} {direction}"
+    print(f"Prediction ({name}): {_fmt(predicted)}{suffix} | measured: {_fmt(measured)}{suffix} | {verdict}")
+    if abs(error) > close_enough and why_off:
+        print(f"  The usual reason for a miss: {why_off}")
+    if name not in _predictions:
+        _predictions.append(name)
+    return float(error)
+
+
+def prediction_count() -> int:
+    """How many distinct predictions this kernel has compared with a measurement."""
+    return len(_predictions)
+
+
+def checker_rejects(checker: Callable[..., bool], *wrong_answers) -> bool:
+    """True when ``checker`` returns False for every one of ``wrong_answers`` (plausible mistakes).
+
+    An exercise checker that accepts a wrong answer teaches nothing; each notebook proves its
+    checkers reject its known mistakes and records ``exercise_checks_reject_wrong``.
+    """
+    if not callable(checker):
+        raise TypeError(f"checker must be the exercise's check function, not {type(checker).__name__}.")
+    if not wrong_answers:
+        raise ValueError("Pass at least one wrong answer the checker must reject.")
+    import contextlib
+    import io
+
+    results = []
+    for wrong in wrong_answers:
+        with contextlib.redirect_stdout(io.StringIO()):  # its "✗ ..." verdicts are not for the learner
+            results.append(bool(checker(wrong)))
+    return not any(results)

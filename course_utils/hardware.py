@@ -12,9 +12,37 @@ from dataclasses import dataclass
 
 import torch
 
-from .units import GIB
+from .units import GIB, MIB
 
 PROFILES = ("smoke", "full")
+
+# What a CUDA card holds beyond PyTorch's tensors. The context (kernels, cuBLAS/cuDNN workspaces)
+# is outside the caching allocator, so torch.cuda.max_memory_allocated() never sees it but
+# nvidia-smi does: typically 0.3-0.5 GiB, larger on newer CUDA versions. The allocator's reserve
+# (rounding, cached free blocks) sits between allocated and reserved. Both are stated assumptions
+# until a GPU measures them (cuda_context_bytes() below).
+CUDA_CONTEXT_BYTES = 512 * MIB
+ALLOCATOR_RESERVE_FRACTION = 0.05
+
+# Host <-> device links, one direction, GB/s (1e9 bytes/s): the bus's theoretical rate. Pinned copies
+# reach about PCIE_EFFICIENCY of it; pageable copies less. The one table the course uses.
+PCIE_GB_PER_S = {"PCIe 3.0 x16": 15.75, "PCIe 4.0 x16": 31.5, "PCIe 5.0 x16": 63.0}
+PCIE_EFFICIENCY = 0.8
+
+
+def gpu_bytes_needed(tensor_peak_bytes: int, *, context_bytes: int = CUDA_CONTEXT_BYTES,
+                     reserve_fraction: float = ALLOCATOR_RESERVE_FRACTION) -> int:
+    """Bytes a card must have for a step whose tensors peak at ``tensor_peak_bytes``.
+
+    tensors + the caching allocator's reserve (``reserve_fraction`` of the tensors) + the CUDA
+    context. Every "fits in N GiB" in the course compares this, not the tensors alone, with the card.
+    """
+    for name, value in (("tensor_peak_bytes", tensor_peak_bytes), ("context_bytes", context_bytes)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be a whole number of bytes >= 0, not {value!r}.")
+    if isinstance(reserve_fraction, bool) or not isinstance(reserve_fraction, (int, float)) or not 0 <= reserve_fraction < 1:
+        raise ValueError(f"reserve_fraction must be a number in [0, 1), e.g. 0.05, not {reserve_fraction!r}.")
+    return int(tensor_peak_bytes + round(reserve_fraction * tensor_peak_bytes) + context_bytes)
 
 
 def device_type() -> str:

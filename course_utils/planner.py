@@ -55,8 +55,8 @@ from .units import GIB, MIB
 from .validation import positive_int, positive_number
 
 
-CUDA_CONTEXT_BYTES = 512 * MIB
-ALLOCATOR_OVERHEAD = 0.05
+from .hardware import ALLOCATOR_RESERVE_FRACTION as ALLOCATOR_OVERHEAD  # one copy: hardware
+from .hardware import CUDA_CONTEXT_BYTES
 MFU = 0.40
 SMALL_BATCH_PENALTY = 0.10
 CHECKPOINT_COMPUTE_FACTOR = 4 / 3

@@ -4,7 +4,8 @@
 
     {"adam_fp32_bytes_per_param": {"value": 16, "unit": "bytes", "profile": "smoke", "device": "cpu"}}
 
-The folder is ``$COURSE_RESULTS_DIR`` or ``results/`` at the repository root (git-ignored).
+The folder is ``$COURSE_RESULTS_DIR``, else ``results/`` in the course folder
+(:func:`course_utils.paths.course_home`: the repository when run from a checkout).
 The notebook name comes from :func:`set_notebook` (called by ``course_utils.setup``).
 """
 from __future__ import annotations
@@ -15,16 +16,14 @@ import os
 import re
 from pathlib import Path
 
-from . import hardware
+from . import hardware, paths
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 _NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 _current_notebook: str | None = None
 
 
 def results_dir() -> Path:
-    custom = os.environ.get("COURSE_RESULTS_DIR")
-    return Path(custom).expanduser() if custom else REPO_ROOT / "results"
+    return paths.results_dir()
 
 
 def set_notebook(name: str) -> None:

@@ -46,3 +46,43 @@ def test_check_exercise(capsys):
 def test_check_exercise_unanswered():
     with pytest.raises(ValueError, match="replace the"):
         checks.check_exercise("bytes", ..., 16)
+
+
+# ---------------------------------------------------------------------------- predict, then measure
+def test_compare_prediction_prints_both_and_direction(capsys):
+    error = checks.compare_prediction("peak of one step", 150, 100, unit="MiB", why_off="activations were forgotten")
+    out = capsys.readouterr().out
+    assert error == pytest.approx(0.5)
+    assert "150 MiB" in out and "100 MiB" in out and "50% too high" in out
+    assert "activations were forgotten" in out  # off by more than 25%: the usual reason is explained
+
+
+def test_compare_prediction_close_needs_no_explanation(capsys):
+    checks.compare_prediction("ratio", 0.99, 1.0, why_off="never printed")
+    out = capsys.readouterr().out
+    assert "spot on" in out and "never printed" not in out
+
+
+def test_compare_prediction_counts_distinct_names():
+    before = checks.prediction_count()
+    checks.compare_prediction("a fresh prediction name", 1, 1)
+    checks.compare_prediction("a fresh prediction name", 2, 1)
+    assert checks.prediction_count() == before + 1
+
+
+@pytest.mark.parametrize("bad", [None, ..., "100", True])
+def test_compare_prediction_missing_or_wrong_type_is_explained(bad):
+    with pytest.raises((ValueError, TypeError), match="predict|number"):
+        checks.compare_prediction("peak", bad, 100)
+
+
+def test_checker_rejects():
+    def checker(value):
+        return checks.check_exercise("answer", value, 42)
+
+    assert checks.checker_rejects(checker, 41, 43)
+    assert not checks.checker_rejects(checker, 41, 42)  # 42 is accepted, so the "wrong" list is not all rejected
+    with pytest.raises(ValueError, match="at least one"):
+        checks.checker_rejects(checker)
+    with pytest.raises(TypeError, match="check function"):
+        checks.checker_rejects(42, 1)

@@ -1,0 +1,49 @@
+"""Timing, one way for the whole course: ``torch.utils.benchmark``.
+
+``Timer`` synchronises CUDA around each run, warms up, and reports the median of many runs;
+notebooks compare techniques with :func:`time_fn` (one callable) and :func:`time_fns` (several,
+each measured the same way). On a shared 2-core CI machine timings wobble: claims about time use
+generous bounds, and saved timing outputs are never compared.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.utils.benchmark as benchmark
+
+
+def _check_fn(fn, what: str = "fn") -> None:
+    if not callable(fn):
+        raise TypeError(f"{what} must be a zero-argument callable (e.g. `lambda: step(batch)`), not {type(fn).__name__}.")
+
+
+def time_fn(fn: Callable[[], object], *, min_run_time: float = 0.2, warmup: int = 1, threads: int | None = None) -> float:
+    """Median seconds of one ``fn()`` call, measured by ``torch.utils.benchmark.Timer``.
+
+    ``min_run_time``: keep running for at least this many seconds (more runs, steadier median);
+    ``warmup``: calls before timing (first calls pay for allocation and kernel selection);
+    ``threads``: torch threads while timing (default: torch's current setting).
+    """
+    _check_fn(fn)
+    if isinstance(min_run_time, bool) or not isinstance(min_run_time, (int, float)) or min_run_time <= 0:
+        raise ValueError(f"min_run_time must be a positive number of seconds, e.g. 0.2, not {min_run_time!r}.")
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"warmup must be an int >= 0, not {warmup!r}.")
+    if threads is None:
+        threads = torch.get_num_threads()
+    elif isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise ValueError(f"threads must be a positive int such as 1 or 2, not {threads!r}.")
+    for _ in range(warmup):
+        fn()
+    timer = benchmark.Timer(stmt="fn()", globals={"fn": fn}, num_threads=threads)
+    return float(timer.blocked_autorange(min_run_time=min_run_time).median)
+
+
+def time_fns(fns: dict, **kwargs) -> dict:
+    """``{label: median seconds}`` for several callables, each timed by :func:`time_fn` with ``kwargs``."""
+    if not isinstance(fns, dict) or not fns:
+        raise TypeError("fns must be a non-empty dict {label: zero-argument callable}.")
+    for label, fn in fns.items():
+        _check_fn(fn, f"fns[{label!r}]")
+    return {label: time_fn(fn, **kwargs) for label, fn in fns.items()}
