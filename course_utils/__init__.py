@@ -17,7 +17,10 @@ One module per concept (as in rasbt/LLMs-from-scratch), each with tests/test_<mo
 - ``quantization``  8-bit state bytes, bitsandbytes round trips, the block-wise exercise (05)
 - ``capstone``      fp16 device copy + fp32 CPU master, streamed gradients, fake-tensor GPU peak (06)
 - ``distributed``   ZeRO formulas, bubble fraction, a multi-process launcher (07; ``dist_workers``)
-- ``bootstrap``, ``colab``, ``validate``, ``compare``: Colab setup, badges, the GPU report, CPU vs GPU
+- ``bootstrap``, ``paths``: installing what Colab lacks; where the course writes (never inside the package)
+
+Tooling that no notebook imports (GPU report, compare, Colab badges, nbval plugin) is the separate package
+``course_tools``.
 """
 from __future__ import annotations
 

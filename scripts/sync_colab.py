@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from course_utils.colab import canonical_repo_url, sync  # noqa: E402
+from course_tools.colab import canonical_repo_url, sync  # noqa: E402
 
 
 def main() -> int:

@@ -10,4 +10,4 @@ make install
 if ! command -v nvidia-smi >/dev/null 2>&1; then
   echo "[validate] no nvidia-smi: no NVIDIA GPU visible; peak GPU memory will read n/a" >&2
 fi
-exec .venv/bin/python -m course_utils.validate "$@"
+exec .venv/bin/python -m course_tools.validate "$@"

@@ -1,11 +1,11 @@
-"""course_utils.compare: two results folders side by side (CLI included)."""
+"""course_tools.compare: two results folders side by side (CLI included)."""
 import json
 import subprocess
 import sys
 
 import pytest
 
-from course_utils import compare
+from course_tools import compare
 
 
 def _write(folder, notebook, figures, profile, device):
@@ -40,7 +40,7 @@ def test_cli_prints_table(two_runs, capsys):
 
 
 def test_cli_bad_folder_is_a_clear_message(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "course_utils.compare", str(tmp_path / "nope"), str(tmp_path)],
+    proc = subprocess.run([sys.executable, "-m", "course_tools.compare", str(tmp_path / "nope"), str(tmp_path)],
                           capture_output=True, text=True)
     assert proc.returncode == 2
     assert "run a notebook first" in proc.stderr and "Traceback" not in proc.stderr

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from course_utils import colab
+from course_tools import colab
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))

@@ -1,10 +1,10 @@
-"""course_utils.validate: runs notebooks under nbval and writes a Markdown + JSON report."""
+"""course_tools.validate: runs notebooks under nbval and writes a Markdown + JSON report."""
 import json
 
 import nbformat
 import pytest
 
-from course_utils import validate
+from course_tools import validate
 
 
 def _notebook(path, code):

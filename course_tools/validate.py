@@ -1,7 +1,7 @@
 """Run the whole course under nbval and write a report (Markdown + JSON).
 
-    python -m course_utils.validate --profile full  --out report/      # on a GPU machine
-    python -m course_utils.validate --profile smoke --out report/      # dry run on a CPU
+    python -m course_tools.validate --profile full  --out report/      # on a GPU machine
+    python -m course_tools.validate --profile smoke --out report/      # dry run on a CPU
 
 Per notebook: pass/fail, wall time, peak GPU memory seen by ``nvidia-smi`` while it ran (the
 whole device, CUDA context included, as a learner would see it), and the figures it recorded.
@@ -19,9 +19,9 @@ import threading
 import time
 from pathlib import Path
 
-from . import results
+from course_utils import results
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parent.parent  # the course checkout: its pyproject.toml sets up nbval
 
 
 class GpuMemoryPoller:
@@ -104,7 +104,7 @@ def run_notebook(path: Path, *, profile: str, results_dir: Path, log_dir: Path, 
 
 
 def write_report(rows: list[dict], out: Path, *, profile: str) -> tuple[Path, Path]:
-    from .hardware import banner
+    from course_utils.hardware import banner
 
     out.mkdir(parents=True, exist_ok=True)
     summary = {"profile": profile, "machine": banner(), "passed": all(r["passed"] for r in rows), "notebooks": rows}
@@ -136,6 +136,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=int, default=3600, help="seconds per notebook (default 3600)")
     parser.add_argument("--notebooks-dir", default=str(REPO_ROOT / "notebooks"))
     args = parser.parse_args(argv)
+    if not (REPO_ROOT / "pyproject.toml").is_file():
+        print(f"validate: no pyproject.toml in {REPO_ROOT}; run it from a checkout of the course repository "
+              "(scripts/validate_gpu.sh), whose pytest settings it uses.", file=sys.stderr)
+        return 2
     out = Path(args.out)
     try:
         paths = notebooks_in(Path(args.notebooks_dir), args.notebooks)

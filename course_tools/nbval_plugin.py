@@ -1,4 +1,4 @@
-"""Pytest plugin for the course's notebook harness (loaded by pyproject's ``-p course_utils.nbval_plugin``).
+"""Pytest plugin for the course's notebook harness (loaded by pyproject's ``-p course_tools.nbval_plugin``).
 
 - Notebooks and tests run without a display and without the internet.
 - nbval compares stderr in checked cells; warnings and progress bars there are not lessons, so stderr is skipped.

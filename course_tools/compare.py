@@ -1,7 +1,7 @@
 """Compare two results folders (say a CPU smoke run and a GPU full run) side by side.
 
     course-compare results-cpu/ results-gpu/
-    python -m course_utils.compare results-cpu/ results-gpu/ --notebook 03_gradient_checkpointing
+    python -m course_tools.compare results-cpu/ results-gpu/ --notebook 03_gradient_checkpointing
 
 Every notebook records its headline figures with ``course_utils.results.record``; this prints
 them as one ledger: notebook, figure, value in A, value in B, unit, and B/A where both are numbers.
@@ -12,7 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from . import results
+from course_utils import results
 
 
 def compare_frames(dir_a: str | Path, dir_b: str | Path, *, notebook: str | None = None):

@@ -8,7 +8,7 @@ import json
 import re
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parent.parent  # the course checkout these tools maintain
 BADGE_IMAGE = "https://colab.research.google.com/assets/colab-badge.svg"
 _BADGE_RE = re.compile(r"\[!\[Open In Colab\]\(https://colab\.research\.google\.com/assets/colab-badge\.svg\)\]"
                        r"\(https://colab\.research\.google\.com/github/[^)\s]+\)")
@@ -20,6 +20,8 @@ def canonical_repo_url(pyproject: Path | None = None) -> str:
     import tomllib
 
     path = Path(pyproject or REPO_ROOT / "pyproject.toml")
+    if not path.is_file():
+        raise ValueError(f"No pyproject.toml at {path}: the Colab tools work on a checkout of the course repository.")
     data = tomllib.loads(path.read_text())
     url = data.get("project", {}).get("urls", {}).get("Repository", "")
     if not re.fullmatch(r"https://github\.com/[\w.-]+/[\w.-]+", url.rstrip("/")):

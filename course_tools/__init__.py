@@ -1,0 +1,10 @@
+"""course_tools: the maintainers' tooling for the course, kept apart from what the notebooks import.
+
+No notebook imports this package; it uses ``course_utils`` (never the other way round).
+
+- ``validate``      run every notebook under nbval and write report/ (``scripts/validate_gpu.sh``)
+- ``compare``       two results folders side by side (``course-compare``)
+- ``colab``         one canonical repository URL for every Colab badge and bootstrap cell (``scripts/sync_colab.py``)
+- ``nbval_plugin``  the pytest plugin for the notebook harness (pyproject's ``-p course_tools.nbval_plugin``)
+- ``preflight``     is this machine ready to run the course (``make check``)
+"""
