@@ -37,9 +37,10 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
+from . import paths
 from .validation import positive_int, positive_number
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+CORPUS_FILE = "course_corpus.txt"  # in course_utils/data_files/, made by scripts/build_corpus.py
 OPTIMIZER_NAMES = ("adam8bit", "adam", "adamw", "sgd")
 VARIANTS = ("recipe", "streamed")
 
@@ -593,35 +594,35 @@ def load_checkpoint(path, trainer: MasterCopyTrainer) -> dict | None:
 def course_corpus(notebooks_dir=None, *, min_chars: int = 2000) -> tuple[str, str]:
     """Text that needs no download: the markdown prose of the course's own notebooks.
 
-    Returns ``(text, source)``. Falls back to the source articles in ``../shared/seeds`` when
-    the notebooks hold fewer than ``min_chars`` characters of prose.
+    By default the copy that ships inside the package (``data_files/course_corpus.txt``, made by
+    ``scripts/build_corpus.py``), so it works wherever the course is installed (Colab included).
+    ``notebooks_dir=`` reads the prose of the notebooks in that folder instead. Returns ``(text, source)``.
     """
     positive_int(min_chars, "min_chars")
-    folder = Path(notebooks_dir) if notebooks_dir is not None else REPO_ROOT / "notebooks"
-    if not folder.is_dir():
-        raise ValueError(f"No notebooks folder at {folder.name!r}; pass notebooks_dir= the course's notebooks/ folder.")
-    parts, used = [], 0
-    for nb in sorted(folder.glob("*.ipynb")):
-        try:
-            cells = json.loads(nb.read_text(encoding="utf-8")).get("cells", [])
-        except (json.JSONDecodeError, UnicodeDecodeError, OSError):
-            continue  # a notebook being written right now
-        prose = ["".join(c.get("source", "")) for c in cells if c.get("cell_type") == "markdown"]
-        if prose:
-            parts.append("\n\n".join(prose))
-            used += 1
-    text = "\n\n".join(parts)
-    if len(text) >= min_chars:
-        return text, f"markdown prose of {used} course notebook(s), {len(text):,} characters"
-    seeds = REPO_ROOT.parent / "shared" / "seeds"
-    seed_texts = [p.read_text(encoding="utf-8") for p in sorted(seeds.glob("0*.txt"))] if seeds.is_dir() else []
-    if seed_texts and len(text) + sum(map(len, seed_texts)) >= min_chars:
-        text = "\n\n".join([text, *seed_texts]).strip()
-        return text, f"course prose plus the {len(seed_texts)} source articles, {len(text):,} characters"
-    raise ValueError(
-        f"Found only {len(text)} characters of offline text (need {min_chars}); run from the course repository "
-        "or pass notebooks_dir= its notebooks/ folder."
-    )
+    if notebooks_dir is None:
+        shipped = paths.data_file(CORPUS_FILE).read_text(encoding="utf-8")
+        text = shipped.partition("\n\n")[2]  # the first paragraph is the credit line
+        source = f"the course notebooks' prose, shipped with the package, {len(text):,} characters"
+    else:
+        folder = Path(notebooks_dir)
+        if not folder.is_dir():
+            raise ValueError(f"No folder at {str(folder)!r}; pass notebooks_dir= a folder of .ipynb notebooks, "
+                             "or nothing to use the prose that ships with the package.")
+        parts = []
+        for nb in sorted(folder.glob("*.ipynb")):
+            try:
+                cells = json.loads(nb.read_text(encoding="utf-8")).get("cells", [])
+            except (json.JSONDecodeError, UnicodeDecodeError, OSError):
+                continue  # a notebook being written right now
+            prose = ["".join(c.get("source", "")) for c in cells if c.get("cell_type") == "markdown"]
+            if prose:
+                parts.append("\n\n".join(prose))
+        text = "\n\n".join(parts)
+        source = f"markdown prose of {len(parts)} course notebook(s) in {folder.name}/, {len(text):,} characters"
+    if len(text) < min_chars:
+        raise ValueError(f"Found only {len(text):,} characters of offline text (need {min_chars:,}) in {source}; "
+                         "pass notebooks_dir= the course's notebooks/ folder, or a smaller min_chars.")
+    return text, source
 
 
 class ByteTokenizer:

@@ -1,21 +1,31 @@
-"""Where the course writes: one user-writable course folder, wherever the course is installed.
+"""Where the course reads and writes, wherever it is installed.
 
 A learner may run the repository (``make lab``), or only the installed package and one notebook
-(Colab). Nothing is ever written inside the package: results and checkpoints go under
-:func:`course_home`:
+(Colab). Nothing is ever written inside the package, and nothing is read from outside it except
+what the learner points at. Everything written goes under :func:`course_home`:
 
 * ``$COURSE_HOME`` when set;
 * otherwise ``<repository>/`` when the package runs from a checkout (``results/`` and
   ``checkpoints/`` there are git-ignored);
 * otherwise ``~/when-the-model-does-not-fit``.
+
+Checkpoints are the exception on Colab: when Google Drive is mounted (and ``COURSE_HOME`` is not
+set) they go to Drive, so a disconnect loses nothing; :func:`colab_drive_hint` says how to mount it.
+What a notebook reads ships inside the package (:func:`data_file`).
 """
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 PACKAGE_DIR = Path(__file__).resolve().parent
+DATA_DIR = PACKAGE_DIR / "data_files"
 HOME_FOLDER_NAME = "when-the-model-does-not-fit"
+COLAB_DRIVE_MOUNT = Path("/content/drive")
+COLAB_DRIVE_HOME = COLAB_DRIVE_MOUNT / "MyDrive" / HOME_FOLDER_NAME
+MOUNT_DRIVE_CODE = "from google.colab import drive; drive.mount('/content/drive')"
+_SUBFOLDER_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 
 
 def repository_root() -> Path | None:
@@ -26,6 +36,16 @@ def repository_root() -> Path | None:
     return None
 
 
+def _writable_folder(folder: Path, how_to_fix: str) -> Path:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise OSError(f"Cannot create the folder {folder} ({err.strerror}); {how_to_fix}.") from None
+    if not os.access(folder, os.W_OK):
+        raise PermissionError(f"The folder {folder} is not writable; {how_to_fix}.")
+    return folder
+
+
 def course_home() -> Path:
     """The user-writable course folder (created if missing); see the module docstring."""
     custom = os.environ.get("COURSE_HOME", "").strip()
@@ -33,15 +53,7 @@ def course_home() -> Path:
         home = Path(custom).expanduser()
     else:
         home = repository_root() or Path.home() / HOME_FOLDER_NAME
-    try:
-        home.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise OSError(
-            f"Cannot create the course folder {home} ({err.strerror}); set COURSE_HOME to a folder you can write to."
-        ) from None
-    if not os.access(home, os.W_OK):
-        raise PermissionError(f"The course folder {home} is not writable; set COURSE_HOME to a folder you can write to.")
-    return home
+    return _writable_folder(home, "set COURSE_HOME to a folder you can write to")
 
 
 def results_dir() -> Path:
@@ -50,8 +62,55 @@ def results_dir() -> Path:
     return Path(custom).expanduser() if custom else course_home() / "results"
 
 
-def checkpoints_dir() -> Path:
-    """``<course home>/checkpoints`` (created if missing)."""
-    folder = course_home() / "checkpoints"
-    folder.mkdir(parents=True, exist_ok=True)
-    return folder
+def drive_mounted() -> bool:
+    """True when Google Drive is mounted where Colab mounts it (``/content/drive/MyDrive``)."""
+    return (COLAB_DRIVE_MOUNT / "MyDrive").is_dir()
+
+
+def _checkpoints_on_drive() -> bool:
+    return not os.environ.get("COURSE_HOME", "").strip() and drive_mounted()
+
+
+def checkpoints_dir(subfolder: str | None = None) -> Path:
+    """Where checkpoints go (created if missing), optionally a ``subfolder`` such as ``"06_capstone"``.
+
+    ``<Google Drive>/when-the-model-does-not-fit/checkpoints`` when Drive is mounted on Colab and
+    ``COURSE_HOME`` is not set (a disconnect then loses nothing), else ``<course home>/checkpoints``.
+    """
+    if subfolder is not None and (not isinstance(subfolder, str) or not _SUBFOLDER_RE.match(subfolder)):
+        raise ValueError(
+            f"subfolder {subfolder!r} must be one folder name of letters, digits, '_', '-' or '.', "
+            "for example '06_capstone'."
+        )
+    base = COLAB_DRIVE_HOME / "checkpoints" if _checkpoints_on_drive() else course_home() / "checkpoints"
+    folder = base / subfolder if subfolder else base
+    return _writable_folder(folder, "set COURSE_HOME to a folder you can write to")
+
+
+def colab_drive_hint() -> str:
+    """One sentence on where checkpoints are kept; on Colab without Drive, how to mount it."""
+    from .hardware import in_colab
+
+    if _checkpoints_on_drive():
+        return (f"Checkpoints are saved on Google Drive ({COLAB_DRIVE_HOME / 'checkpoints'}): "
+                "a disconnect loses nothing, and re-running resumes from the last one.")
+    local = course_home() / "checkpoints"
+    if in_colab():
+        return (f"Checkpoints are saved in {local}, which a Colab disconnect erases. To keep them, mount Google "
+                f"Drive with `{MOUNT_DRIVE_CODE}` and re-run this cell: they then go to "
+                f"{COLAB_DRIVE_HOME / 'checkpoints'}.")
+    return f"Checkpoints are saved in {local} (set COURSE_HOME to keep them elsewhere)."
+
+
+def data_file(name: str) -> Path:
+    """A data file shipped inside the package (``course_utils/data_files/<name>``)."""
+    if not isinstance(name, str) or not _SUBFOLDER_RE.match(name):
+        raise ValueError(f"data file name {name!r} must be a plain file name such as 'course_corpus.txt'.")
+    path = DATA_DIR / name
+    if not path.is_file():
+        shipped = sorted(p.name for p in DATA_DIR.glob("*")) if DATA_DIR.is_dir() else []
+        raise FileNotFoundError(
+            f"No data file {name!r} in the installed package ({DATA_DIR}); it ships {shipped or 'nothing'}. "
+            "Reinstall the course (`make lab`, or the notebook's first cell on Colab)."
+        )
+    return path
