@@ -44,3 +44,35 @@ def test_readme_has_exactly_the_two_commands_and_ci_uses_the_test_one():
     assert "make lab" in readme and "make test" in readme
     ci = (ROOT / ".ci" / "run").read_text()
     assert re.search(r"^make test$", ci, re.M)
+
+
+def _spec(text: str, name: str) -> str:
+    match = re.search(rf"^\s*(?:- )?\"?{name}([<>=!~][^\"#\s]*)", text, re.M)
+    assert match, f"no {name} requirement found"
+    return match.group(1)
+
+
+def test_torch_bounds_agree_and_the_lower_bound_says_why():
+    """requirements.txt, pyproject.toml and environment.yml carry the same torch range; the lower bound
+    is the oldest torch with FSDP2's public fully_shard (2.6), and the reasons sit next to it."""
+    requirements = (ROOT / "requirements.txt").read_text()
+    spec = _spec(requirements, "torch")
+    assert spec == _spec((ROOT / "pyproject.toml").read_text(), "torch")
+    assert spec == _spec((ROOT / "environment.yml").read_text(), "pytorch")
+    assert spec.startswith(">=2.6,")
+    for api in ("fully_shard", "MemTracker", "register_post_accumulate_grad_hook"):
+        assert api in requirements, f"requirements.txt should say which torch has {api}"
+    assert re.search(r"^ipywidgets>=7\.7\b", requirements, re.M)
+
+
+def test_installed_torch_is_inside_the_bounds_and_has_the_apis():
+    import torch
+    from packaging.version import Version
+
+    spec = _spec((ROOT / "requirements.txt").read_text(), "torch")
+    low, high = re.fullmatch(r">=([\d.]+),<=([\d.]+)", spec).groups()
+    assert Version(low) <= Version(torch.__version__.split("+")[0]) <= Version(high)
+    from torch.distributed._tools.mem_tracker import MemTracker  # noqa: F401
+    from torch.distributed.fsdp import fully_shard  # noqa: F401
+
+    assert hasattr(torch.Tensor, "register_post_accumulate_grad_hook")
