@@ -1,4 +1,5 @@
-# The course's two commands:  `make lab` (install, open JupyterLab) and `make test` (install, run every test).
+# The course's two commands:  `make lab` (install, open JupyterLab) and `make test` (install, run every test);
+# `make check` is the workshop pre-flight: is this machine ready? (one line per item, under 90 s).
 # Both install into .venv/ in this folder and are idempotent: the install re-runs only when
 # requirements.txt or pyproject.toml change.
 PYTHON ?= python3
@@ -6,7 +7,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install lab test clean
+.PHONY: install lab test check clean
 
 $(STAMP): requirements.txt pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "Python 3.10+ is needed (3.11 recommended); set PYTHON=python3.11")'
@@ -25,6 +26,9 @@ lab: install
 
 test: install
 	$(PY) -m pytest
+
+check: install
+	$(PY) -m course_tools.preflight --record
 
 clean:
 	rm -rf $(VENV) results .pytest_cache

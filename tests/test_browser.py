@@ -1,0 +1,193 @@
+"""The course's widgets, driven in a real browser: JupyterLab + headless Chromium (Debian's
+`chromium` and `chromium-driver`, through selenium).
+
+In 00 it runs every cell, changes the planner's model and then its GPU, and checks that the verdict
+text and the chart change with no widget error; in 03 it moves the checkpointing slider and checks
+that the drawing changes. On failure it saves screenshots under report/browser/.
+
+`.ci/run` installs the browser on a fresh machine; elsewhere the test is skipped, with the command
+that installs it, when Chromium or its driver is missing.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+REPORT = ROOT / "report" / "browser"
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+CHROMEDRIVER = shutil.which("chromedriver")
+INSTALL = "apt-get install chromium chromium-driver (Debian/Ubuntu), then pip install selenium"
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not (CHROMIUM and CHROMEDRIVER), reason=f"no Chromium/ChromeDriver here: {INSTALL}"),
+]
+selenium = pytest.importorskip("selenium", reason=f"selenium is not installed: {INSTALL}")
+from selenium import webdriver  # noqa: E402
+from selenium.webdriver.common.by import By  # noqa: E402
+from selenium.webdriver.common.keys import Keys  # noqa: E402
+from selenium.webdriver.support.ui import Select, WebDriverWait  # noqa: E402
+
+TOKEN = "course-browser-test"
+CELL_OF = "./ancestor::div[contains(@class,'jp-CodeCell')][1]"  # the notebook cell holding a widget
+WIDGET_ERRORS = ("Error displaying widget", "Failed to load model class", "model not found")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    """A JupyterLab server on a free local port, serving copies of the notebooks."""
+    folder = tmp_path_factory.mktemp("lab")
+    for name in ("00_start_here.ipynb", "03_gradient_checkpointing.ipynb"):
+        shutil.copy(ROOT / "notebooks" / name, folder / name)
+    port = _free_port()
+    env = dict(os.environ, COURSE_PROFILE="smoke", COURSE_HOME=str(folder / "home"),
+               JUPYTER_CONFIG_DIR=str(folder / "jupyter-config"), HOME=str(folder))
+    log = open(folder / "lab.log", "w")
+    cmd = [sys.executable, "-m", "jupyter", "lab", "--no-browser", f"--port={port}", "--ip=127.0.0.1",
+           f"--ServerApp.token={TOKEN}", f"--ServerApp.root_dir={folder}", "--allow-root",
+           "--LabApp.news_url=", "--ServerApp.open_browser=False"]
+    server = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 90
+    while time.time() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                break
+        except OSError:
+            if server.poll() is not None:
+                pytest.fail(f"JupyterLab exited: {(folder / 'lab.log').read_text()[-2000:]}")
+            time.sleep(0.5)
+    else:
+        server.kill()
+        pytest.fail("JupyterLab did not start within 90 s")
+    yield url
+    server.terminate()
+    try:
+        server.wait(timeout=20)
+    except subprocess.TimeoutExpired:  # pragma: no cover
+        server.kill()
+    log.close()
+
+
+@pytest.fixture
+def browser(request):
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1400,1000",
+                "--disable-gpu"):
+        options.add_argument(arg)
+    driver = webdriver.Chrome(service=webdriver.ChromeService(executable_path=CHROMEDRIVER), options=options)
+    driver.set_page_load_timeout(120)
+    failures_before = request.session.testsfailed
+    yield driver
+    if request.session.testsfailed > failures_before:  # the test's call phase failed: keep what it saw
+        REPORT.mkdir(parents=True, exist_ok=True)
+        driver.save_screenshot(str(REPORT / f"{request.node.name}.png"))
+    driver.quit()
+
+
+def _wait(driver, condition, timeout, message):
+    return WebDriverWait(driver, timeout, poll_frequency=0.5).until(lambda d: condition(d), message=message)
+
+
+def _run_all(driver, lab_url: str, notebook: str) -> None:
+    driver.get(f"{lab_url}/lab/tree/{notebook}?token={TOKEN}")
+    _wait(driver, lambda d: d.find_elements(By.CSS_SELECTOR, ".jp-Notebook .jp-Cell"), 120, "notebook never opened")
+    _wait(driver, lambda d: "Idle" in _kernel_status(d), 120, "kernel never became idle")
+    # Run > Run All Cells, through JupyterLab's command palette (stable across versions)
+    body = driver.find_element(By.TAG_NAME, "body")
+    body.send_keys(Keys.CONTROL, Keys.SHIFT, "c")
+    palette = _wait(driver, lambda d: d.find_elements(By.CSS_SELECTOR, ".lm-CommandPalette-input"), 20,
+                    "command palette did not open")[0]
+    palette.send_keys("Run All Cells")
+    time.sleep(0.5)
+    palette.send_keys(Keys.ENTER)
+    time.sleep(2)
+    _wait(driver, lambda d: "Idle" in _kernel_status(d) and not _busy_prompts(d), 300,
+          "cells did not finish running within 300 s")
+
+
+def _kernel_status(driver) -> str:
+    return " ".join(e.text for e in driver.find_elements(By.CSS_SELECTOR, ".jp-StatusBar-TextItem, .jp-Toolbar-kernelStatus")) + \
+        " ".join((e.get_attribute("title") or "") for e in driver.find_elements(By.CSS_SELECTOR, ".jp-Toolbar-kernelStatus, .jp-KernelStatus"))
+
+
+def _busy_prompts(driver) -> list:
+    return [e for e in driver.find_elements(By.CSS_SELECTOR, ".jp-InputPrompt") if "[*]" in e.text]
+
+
+def _page_errors(driver) -> list[str]:
+    text = driver.find_element(By.TAG_NAME, "body").text
+    errors = [e for e in WIDGET_ERRORS if e in text]
+    errors += [e.text[:300] for e in driver.find_elements(By.CSS_SELECTOR, ".jp-RenderedText[data-mime-type='application/vnd.jupyter.stderr']")
+               if "Traceback" in e.text or "Error" in e.text.split("\n")[0]]
+    return errors
+
+
+def _widget_images(driver, container) -> list[str]:
+    return [img.get_attribute("src")[-200:] for img in container.find_elements(By.CSS_SELECTOR, "img")]
+
+
+def _labelled(driver, css: str, label: str):
+    """The widget of class ``css`` whose description label reads ``label``."""
+    for widget in driver.find_elements(By.CSS_SELECTOR, css):
+        labels = widget.find_elements(By.CSS_SELECTOR, "label, .widget-label")
+        if any(lab.text.strip() == label for lab in labels):
+            return widget
+    raise AssertionError(f"no {css} labelled {label!r} on the page")
+
+
+def test_planner_widget_redraws_in_00(lab, browser):
+    _run_all(browser, lab, "00_start_here.ipynb")
+    assert not _page_errors(browser), _page_errors(browser)
+    model_box = _labelled(browser, ".widget-dropdown", "model")
+    panel = model_box.find_element(By.XPATH, CELL_OF)
+    before_text, before_imgs = panel.text, _widget_images(browser, panel)
+    assert before_imgs, "the planner shows no chart"
+
+    select = Select(model_box.find_element(By.TAG_NAME, "select"))
+    current = select.first_selected_option.text
+    new = next(o.text for o in select.options if o.text != current and "custom" not in o.text)
+    select.select_by_visible_text(new)
+    _wait(browser, lambda d: panel.text != before_text and _widget_images(d, panel) != before_imgs, 60,
+          f"changing the model to {new!r} did not redraw the verdict and the chart")
+    after_model_text, after_model_imgs = panel.text, _widget_images(browser, panel)
+
+    gpu_select = Select(_labelled(browser, ".widget-dropdown", "GPU").find_element(By.TAG_NAME, "select"))
+    current_gpu = gpu_select.first_selected_option.text
+    new_gpu = next(o.text for o in gpu_select.options if o.text != current_gpu and "custom" not in o.text)
+    gpu_select.select_by_visible_text(new_gpu)
+    _wait(browser, lambda d: panel.text != after_model_text or _widget_images(d, panel) != after_model_imgs, 60,
+          f"changing the GPU to {new_gpu!r} did not redraw the verdict or the chart")
+    assert not _page_errors(browser), _page_errors(browser)
+    REPORT.mkdir(parents=True, exist_ok=True)
+    browser.save_screenshot(str(REPORT / "00_planner_after.png"))
+
+
+def test_checkpointing_slider_redraws_in_03(lab, browser):
+    _run_all(browser, lab, "03_gradient_checkpointing.ipynb")
+    assert not _page_errors(browser), _page_errors(browser)
+    slider = _labelled(browser, ".widget-slider", "step")
+    panel = slider.find_element(By.XPATH, CELL_OF)
+    before = _widget_images(browser, panel)
+    assert before, "the checkpointing explorer shows no drawing"
+    handle = slider.find_element(By.CSS_SELECTOR, ".noUi-handle, .ui-slider-handle, [role='slider']")
+    handle.click()
+    for _ in range(3):
+        handle.send_keys(Keys.ARROW_RIGHT)
+    _wait(browser, lambda d: _widget_images(d, panel) != before, 60, "moving the slider did not redraw the drawing")
+    assert not _page_errors(browser), _page_errors(browser)
