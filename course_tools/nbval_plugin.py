@@ -43,3 +43,148 @@ def _patch_nbval() -> None:
 
 
 _patch_nbval()
+
+
+# ----------------------------------------------------------------------------------------------
+# Peak resident memory of each notebook's kernel (Binder gives a session about 2 GiB)
+# ----------------------------------------------------------------------------------------------
+RSS_LIMIT_MIB = 2048
+
+
+def _vm_hwm_bytes(pid: int) -> int:
+    """A process's peak resident set (Linux VmHWM), or its current RSS where /proc has no VmHWM."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        import psutil
+
+        return int(psutil.Process(pid).memory_info().rss)
+    except Exception:
+        return 0
+
+
+class KernelMemorySampler:
+    """Peak RSS of a kernel process plus the processes it spawns (07's workers), sampled in a thread.
+
+    The kernel's own peak is exact (the kernel's VmHWM). Each child's peak is its VmHWM at the last
+    sample before it exits, so a child living less than ``interval`` seconds can be missed; children's
+    peaks are added to the kernel's although they may not coincide, which errs on the high side.
+    """
+
+    def __init__(self, pid: int, interval: float = 0.1):
+        import threading
+
+        self.pid, self.interval = pid, interval
+        self.children_peak: dict[int, int] = {}
+        self.kernel_peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="kernel-rss")
+        self._thread.start()
+
+    def _sample(self) -> None:
+        import psutil
+
+        self.kernel_peak = max(self.kernel_peak, _vm_hwm_bytes(self.pid))
+        try:
+            children = psutil.Process(self.pid).children(recursive=True)
+        except Exception:
+            return
+        for child in children:
+            self.children_peak[child.pid] = max(self.children_peak.get(child.pid, 0), _vm_hwm_bytes(child.pid))
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._sample()
+            self._stop.wait(self.interval)
+
+    def peak_bytes(self) -> int:
+        self._sample()
+        return self.kernel_peak + sum(self.children_peak.values())
+
+    def stop(self) -> int:
+        peak = self.peak_bytes()
+        self._stop.set()
+        self._thread.join(timeout=2)
+        return peak
+
+
+def _kernel_pid(nbfile):
+    km = getattr(getattr(nbfile, "kernel", None), "km", None)
+    provisioner = getattr(km, "provisioner", None)
+    process = getattr(provisioner, "process", None)
+    return getattr(process, "pid", None) or getattr(provisioner, "pid", None)
+
+
+def _patch_rss() -> None:
+    try:
+        from nbval.plugin import IPyNbFile
+    except ImportError:
+        return
+    if getattr(IPyNbFile, "_course_rss_patched", False):
+        return
+    original_setup = IPyNbFile.setup
+
+    def setup_with_sampler(self):
+        original_setup(self)
+        pid = _kernel_pid(self)
+        self._course_rss = KernelMemorySampler(pid) if pid else None
+
+    IPyNbFile.setup = setup_with_sampler
+    IPyNbFile._course_rss_patched = True
+
+
+_patch_rss()
+
+
+def _peak_rss_item_class():
+    import pytest
+
+    class PeakRssItem(pytest.Item):
+        """The last test of each notebook: its kernel's peak resident memory, recorded and checked."""
+
+        def runtest(self):
+            sampler = getattr(self.parent, "_course_rss", None)
+            if sampler is None:
+                pytest.skip("the kernel's process could not be found, so its memory was not sampled")
+            peak_mib = sampler.stop() / 2**20
+            self.user_properties.append(("peak_rss_mib", round(peak_mib, 1)))
+            try:
+                from course_utils import results
+
+                results.record("peak_rss_mib", round(peak_mib, 1), "MiB", notebook=self.parent.path.stem)
+            except Exception:  # recording is a convenience; the limit below is the test
+                pass
+            if peak_mib > RSS_LIMIT_MIB:
+                raise AssertionError(
+                    f"{self.parent.path.name}: its kernel (with the processes it spawned) peaked at {peak_mib:,.0f} MiB "
+                    f"of resident memory, above the {RSS_LIMIT_MIB} MiB a free Binder session has: shrink its "
+                    "profile-smoke sizes.")
+
+        def reportinfo(self):
+            return self.path, None, f"{self.parent.path.name}::peak_rss"
+
+    return PeakRssItem
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Append a peak-RSS check after the last cell of every notebook that runs."""
+    try:
+        from nbval.plugin import IPyNbFile
+    except ImportError:
+        return
+    item_class = _peak_rss_item_class()
+    out, last_parent = [], None
+    for item in items:
+        parent = item.parent
+        if last_parent is not None and parent is not last_parent and isinstance(last_parent, IPyNbFile):
+            out.append(item_class.from_parent(last_parent, name="peak_rss"))
+        out.append(item)
+        last_parent = parent
+    if last_parent is not None and isinstance(last_parent, IPyNbFile):
+        out.append(item_class.from_parent(last_parent, name="peak_rss"))
+    items[:] = out
