@@ -38,3 +38,15 @@ def test_missing_torch_is_never_installed(monkeypatch):
     monkeypatch.setattr(hardware, "in_colab", lambda: True)
     with pytest.raises(ImportError, match="never installs torch"):
         bootstrap.ensure_packages(["torch"])
+
+
+def test_what_colab_installs_matches_requirements_txt():
+    """The bootstrap's pip specs are the learner install's, so Colab gets the same lower bounds."""
+    import re
+    from pathlib import Path
+
+    lines = (Path(__file__).resolve().parent.parent / "requirements.txt").read_text().splitlines()
+    specs = {re.split(r"[<>=!~ ]", s)[0].lower(): s for s in (line.split("#")[0].strip() for line in lines) if s}
+    for requirement in bootstrap.COURSE_PACKAGES.values():
+        name = re.split(r"[<>=!~ ]", requirement)[0].lower()
+        assert specs.get(name) == requirement, f"bootstrap asks {requirement!r}, requirements.txt {specs.get(name)!r}"
