@@ -11,9 +11,9 @@ The training loops themselves stay in the notebook.
 """
 from __future__ import annotations
 
+import functools
 import math
-import statistics
-import time
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -181,26 +181,6 @@ def _short(dtype: torch.dtype) -> str:
     return {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}.get(dtype, str(dtype))
 
 
-def median_seconds(fn: Callable[[], object], *, repeat: int = 5, warmup: int = 1) -> float:
-    """Median wall time of ``fn()`` over ``repeat`` runs after ``warmup`` runs (CUDA synchronised)."""
-    if not callable(fn):
-        raise TypeError("fn must be a zero-argument callable.")
-    for name, value, low in (("repeat", repeat, 1), ("warmup", warmup, 0)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"{name} must be an integer >= {low}, not {value!r}.")
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeat):
-        sync()
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 # ---------------------------------------------------------------- loss scaling
 class ScaleLog:
     """Record a ``torch.amp.GradScaler``'s scale after every ``scaler.update()``.
@@ -292,99 +272,146 @@ def decision_table():
     return pd.DataFrame(rows).set_index("hardware")
 
 
+def cpu_bf16_features(cpuinfo: str | Path = "/proc/cpuinfo") -> list[str] | None:
+    """The CPU's bf16 instruction sets (e.g. ``['amx_bf16', 'avx512_bf16']``), read from ``/proc/cpuinfo``.
+
+    An empty list: the CPU has none (bf16 math is emulated, often slower than fp32); None: unknown
+    (no ``/proc/cpuinfo``, as on macOS or Windows).
+    """
+    try:
+        text = Path(cpuinfo).read_text()
+    except (OSError, TypeError):
+        return None
+    flags = set()
+    for line in text.splitlines():
+        if line.startswith(("flags", "Features")) and ":" in line:  # x86 / ARM
+            flags.update(line.split(":", 1)[1].split())
+    return sorted(f for f in flags if "bf16" in f)
+
+
 # ---------------------------------------------------------------- exercise
-EXERCISE_INIT_SCALE = 2.0**24  # large enough that the first steps overflow fp16 and are skipped
+EXERCISE_SCALE = 2.0**16     # GradScaler's default first scale
+EXERCISE_STEPS = 8
+OVERFLOW_STEP = 3            # this batch's inputs are 1000x larger: its scaled gradients overflow fp16
 
 
-def reference_amp_train(model, optimizer, batches, scaler, *, device_type: str, max_norm: float,
-                        dtype=torch.float16):
-    """The solution of the exercise: fp16 autocast, GradScaler, unscale before clipping."""
-    import torch.nn.functional as F
-
-    losses, norms = [], []
-    for x, y in batches:
-        optimizer.zero_grad(set_to_none=True)
-        with torch.amp.autocast(device_type, dtype=dtype):
-            loss = F.cross_entropy(model(x), y)
-        scaler.scale(loss).backward()
-        scaler.unscale_(optimizer)
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
-        scaler.step(optimizer)
-        scaler.update()
-        losses.append(loss.item())
-    return losses, norms
-
-
-def exercise_setup(device: torch.device | str = "cpu", *, steps: int = 24, seed: int = 0):
-    """Model, optimizer, batches and a GradScaler for the AMP exercise (identical every call)."""
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 2:
-        raise ValueError(f"steps must be an integer >= 2, not {steps!r}.")
-    device = torch.device(device)
-    gen = torch.Generator().manual_seed(seed)
-    torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 4)).to(device)
+def _exercise_setup(device: torch.device):
+    """A small model, SGD and batches (identical every call); batch OVERFLOW_STEP overflows fp16."""
+    gen = torch.Generator().manual_seed(0)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 4)).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.3)
     w = torch.randn(32, 4, generator=gen)
     batches = []
-    for _ in range(steps):
+    for k in range(EXERCISE_STEPS):
         x = torch.randn(64, 32, generator=gen)
         y = (x @ w).argmax(-1)
-        batches.append((x.to(device), y.to(device)))
-    scaler = torch.amp.GradScaler(device.type, init_scale=EXERCISE_INIT_SCALE)
-    return model, optimizer, batches, scaler
+        batches.append(((x * 1e3 if k == OVERFLOW_STEP else x).to(device), y.to(device)))
+    return model, optimizer, batches
 
 
-def check_amp_loop(learner_fn: Callable, *, device: torch.device | str = "cpu", steps: int = 24,
-                   max_norm: float = 0.25) -> bool:
-    """Run the learner's AMP loop and the reference on the same model, data and scaler; compare.
+def _weights(model) -> torch.Tensor:
+    return torch.cat([p.detach().float().flatten().cpu() for p in model.parameters()])
 
-    ``learner_fn(model, optimizer, batches, scaler, device_type=..., max_norm=...)`` must return
-    ``(losses, norms)``: the loss of each step and what ``clip_grad_norm_`` returned. The scaler
-    starts at 2**24, so the first steps overflow and must be skipped. Passes when the forward
-    ran in fp16, the scaler was used, clipping saw unscaled gradients and the final weights
-    match the reference's. A ``NotImplementedError`` from the learner's function propagates.
+
+@functools.lru_cache(maxsize=4)
+def _reference_run(device: str, max_norm: float):
+    """Loss scaling done by hand (no GradScaler): the checker's reference weights and norms."""
+    import torch.nn.functional as F
+
+    device = torch.device(device)
+    model, optimizer, batches = _exercise_setup(device)
+    scale, norms = EXERCISE_SCALE, []
+    for x, y in batches:
+        optimizer.zero_grad(set_to_none=True)
+        with torch.amp.autocast(device.type, dtype=torch.float16):
+            loss = F.cross_entropy(model(x), y)
+        (loss * scale).backward()
+        grads = [p.grad for p in model.parameters()]
+        if all(bool(torch.isfinite(g).all()) for g in grads):
+            for g in grads:
+                g.mul_(1.0 / scale)
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
+            optimizer.step()
+        else:              # overflow: skip the update, halve the scale
+            norms.append(math.inf)
+            scale *= 0.5
+    return _weights(model), norms
+
+
+def check_amp_step(step_fn: Callable, *, device: torch.device | str = "cpu", max_norm: float = 0.25) -> bool:
+    """Run the learner's mixed-precision training step on real tensors and compare with a reference.
+
+    ``step_fn(model, optimizer, scaler, x, y, max_norm)`` does one step (fp16 autocast, a
+    ``torch.amp.GradScaler``, gradient clipping at ``max_norm``) and returns ``(loss, norm)``, norm
+    being what ``clip_grad_norm_`` returned. The checker calls it on 8 batches; the 4th has inputs
+    1000x larger, so its scaled gradients overflow fp16. It passes when the forward ran in fp16,
+    that step was skipped (weights untouched) and the scale backed off, clipping saw the true
+    (unscaled) gradient norms, and the final weights match loss scaling done by hand. A
+    ``NotImplementedError`` from ``step_fn`` propagates; any other error is reported as a failure.
     """
     from . import checks
 
-    if not callable(learner_fn):
-        raise TypeError("Pass your function itself (amp_train), not its result.")
+    if not callable(step_fn):
+        raise TypeError("Pass your step function itself (amp_step), not its result.")
     if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
         raise ValueError(f"max_norm must be a positive number, not {max_norm!r}.")
     device = torch.device(device)
-    results = {}
-    for who, fn in (("reference", reference_amp_train), ("learner", learner_fn)):
-        model, optimizer, batches, scaler = exercise_setup(device, steps=steps)
-        seen = []
-        hook = model[0].register_forward_hook(lambda mod, inp, out: seen.append(out.dtype))
-        out = fn(model, optimizer, batches, scaler, device_type=device.type, max_norm=max_norm)
+    model, optimizer, batches = _exercise_setup(device)
+    scaler = torch.amp.GradScaler(device.type, init_scale=EXERCISE_SCALE, growth_interval=1000)
+    seen = []
+    hook = model[0].register_forward_hook(lambda mod, inp, out: seen.append(out.dtype))
+    norms, skip = [], {}
+    try:
+        for k, (x, y) in enumerate(batches):
+            before, scale_before = _weights(model), scaler.get_scale()
+            try:
+                out = step_fn(model, optimizer, scaler, x, y, max_norm)
+            except NotImplementedError:
+                raise
+            except Exception as err:  # a wrong order of GradScaler's calls raises in PyTorch
+                print(f"✗ step {k + 1} raised {type(err).__name__}: {err}\n  GradScaler's calls must come in "
+                      "a fixed order within a step; the message names the call that came too early or too late.")
+                return False
+            if out is None or out is Ellipsis:
+                raise ValueError("Your step returned None: return (loss, norm), norm being what clip_grad_norm_ returned.")
+            if not (isinstance(out, (tuple, list)) and len(out) == 2):
+                print("✗ amp_step must return (loss, norm).")
+                return False
+            norms.append(float(out[1]))
+            if k == OVERFLOW_STEP:
+                after = _weights(model)
+                skip = {"moved": not torch.equal(before, after), "finite": bool(torch.isfinite(after).all()),
+                        "backed_off": scaler.get_scale() < scale_before}
+    finally:
         hook.remove()
-        if out is None or out is Ellipsis:
-            raise ValueError("Your function returned None: return (losses, norms).")
-        if not (isinstance(out, (tuple, list)) and len(out) == 2):
-            print("✗ amp_train must return (losses, norms): two lists of floats.")
-            return False
-        losses, norms = out
-        weights = torch.cat([p.detach().float().flatten().cpu() for p in model.parameters()])
-        results[who] = (list(map(float, losses)), list(map(float, norms)), weights, seen, scaler.get_scale())
-    _, _, ref_w, _, _ = results["reference"]
-    losses, norms, w, seen, final_scale = results["learner"]
+    ref_w, ref_norms = _reference_run(str(device), float(max_norm))
     ok = True
-    if len(losses) != steps:
-        print(f"✗ expected one loss per batch ({steps}), got {len(losses)}.")
-        ok = False
     if torch.float16 not in seen:
-        print("✗ the forward pass did not run in fp16: wrap it in torch.amp.autocast(device_type, dtype=torch.float16).")
+        print("✗ the forward pass did not run in fp16: wrap the model and the loss in "
+              "torch.amp.autocast(x.device.type, dtype=torch.float16).")
         ok = False
-    if final_scale >= EXERCISE_INIT_SCALE:
-        print("✗ the GradScaler's scale never changed: use scaler.scale(loss).backward(), scaler.step(optimizer) "
-              "and scaler.update().")
+    if skip["moved"] or not skip["finite"]:
+        print(f"✗ at step {OVERFLOW_STEP + 1} the scaled gradients overflowed, yet the weights changed"
+              f"{'' if skip['finite'] else ' (to inf/NaN)'}: that step must be skipped. scaler.step(optimizer) "
+              "skips it; optimizer.step() does not.")
         ok = False
-    finite = [n for n in norms if math.isfinite(n)]
-    if finite and max(finite) > 1e3:
-        print(f"✗ clip_grad_norm_ saw a gradient norm of {max(finite):.3g}: it clipped the *scaled* gradients. "
-              "Call scaler.unscale_(optimizer) before clipping.")
+    if not skip["backed_off"]:
+        print(f"✗ the scale did not drop after the overflow at step {OVERFLOW_STEP + 1}: scaler.update() lowers it.")
         ok = False
-    same = checks.check_exercise("final weights match the reference AMP loop", w, ref_w, rel_tol=1e-3,
-                                 hint="autocast the forward and the loss, scaler.scale(loss).backward(), "
-                                      "scaler.unscale_(optimizer), clip, scaler.step(optimizer), scaler.update().")
+    finite = [(mine, ref) for mine, ref in zip(norms, ref_norms) if math.isfinite(ref)]
+    ratios = sorted(mine / ref for mine, ref in finite if ref > 0)
+    median_ratio = ratios[len(ratios) // 2] if ratios else math.nan
+    if math.isnan(median_ratio) and not skip["finite"]:
+        ok = False  # NaN weights give NaN norms: already reported above
+    elif not (abs(median_ratio - 1) <= 1e-3):
+        why = (f" (of the order of the loss scale, {EXERCISE_SCALE:g}): clipping measured the scaled gradients"
+               if median_ratio > 100 else "")
+        print(f"✗ clip_grad_norm_ returned norms {median_ratio:.3g}x the true gradient norms{why}. "
+              "Clip the gradients once they are back to their true size.")
+        ok = False
+    same = checks.check_exercise(f"weights after {EXERCISE_STEPS} steps match loss scaling done by hand",
+                                 _weights(model), ref_w, rel_tol=1e-4,
+                                 hint="check the order of the scaler's calls and where clipping goes.")
     return ok and same

@@ -1,4 +1,6 @@
 """Tests of course_utils.precision (notebook 04)."""
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -135,59 +137,92 @@ def test_recommend_precision():
     assert t.loc["A100 (Ampere)", "native bf16"] == True  # noqa: E712
 
 
-def test_median_seconds_bad_inputs():
-    assert P.median_seconds(lambda: None, repeat=3) >= 0
-    with pytest.raises(TypeError):
-        P.median_seconds(3)
-    with pytest.raises(ValueError, match="repeat"):
-        P.median_seconds(lambda: None, repeat=0)
+def test_cpu_bf16_features(tmp_path):
+    x86 = tmp_path / "x86"
+    x86.write_text("processor : 0\nflags : fpu sse avx512f avx512_bf16 amx_bf16 amx_tile\n"
+                   "processor : 1\nflags : fpu sse avx512f avx512_bf16 amx_bf16 amx_tile\n")
+    assert P.cpu_bf16_features(x86) == ["amx_bf16", "avx512_bf16"]
+    arm = tmp_path / "arm"
+    arm.write_text("Features : fp asimd bf16 i8mm\n")
+    assert P.cpu_bf16_features(arm) == ["bf16"]
+    old = tmp_path / "old"
+    old.write_text("flags : fpu sse avx2\n")
+    assert P.cpu_bf16_features(old) == []
+    assert P.cpu_bf16_features(tmp_path / "missing") is None
 
 
-def _clip_before_unscale(model, optimizer, batches, scaler, *, device_type, max_norm):
-    losses, norms = [], []
-    for x, y in batches:
-        optimizer.zero_grad()
-        with torch.amp.autocast(device_type, dtype=torch.float16):
+# ---------------------------------------------------------------- the exercise's checker
+def _step(*calls, autocast=True):
+    """A training step whose calls after ``scaler.scale(loss).backward()`` come in the given order."""
+    def step(model, optimizer, scaler, x, y, max_norm):
+        optimizer.zero_grad(set_to_none=True)
+        with torch.amp.autocast(x.device.type, dtype=torch.float16, enabled=autocast):
             loss = F.cross_entropy(model(x), y)
         scaler.scale(loss).backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
-        scaler.step(optimizer)
-        scaler.update()
-        losses.append(loss.item())
-    return losses, norms
+        norm = None
+        for call in calls:
+            if call == "clip":
+                norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+            elif call == "optimizer.step":
+                optimizer.step()
+            elif call == "update":
+                scaler.update()
+            else:  # "unscale_" or "step"
+                getattr(scaler, call)(optimizer)
+        return loss, norm
+    return step
 
 
-def _plain_fp32(model, optimizer, batches, scaler, *, device_type, max_norm):
-    losses, norms = [], []
-    for x, y in batches:
-        optimizer.zero_grad()
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
-        optimizer.step()
-        losses.append(loss.item())
-    return losses, norms
+_right = _step("unscale_", "clip", "step", "update")
+_clip_before_unscale = _step("clip", "unscale_", "step", "update")
+_no_unscale = _step("clip", "step", "update")
+_update_before_step = _step("unscale_", "clip", "update", "step")
+_optimizer_step = _step("unscale_", "clip", "optimizer.step", "update")  # does not skip the overflowing step
+_no_update = _step("unscale_", "clip", "step")
+_fp32_forward = _step("unscale_", "clip", "step", "update", autocast=False)
 
 
-def test_check_amp_loop_passes_reference_and_fails_mistakes(capsys):
-    assert P.check_amp_loop(P.reference_amp_train, steps=6)
-    assert not P.check_amp_loop(_clip_before_unscale, steps=6)
-    assert "scaled" in capsys.readouterr().out
-    assert not P.check_amp_loop(_plain_fp32, steps=6)
-    assert "fp16" in capsys.readouterr().out
+def test_check_amp_step_passes_the_right_order(capsys):
+    assert P.check_amp_step(_right)
+    assert "✓" in capsys.readouterr().out
 
 
-def test_check_amp_loop_bad_inputs():
+@pytest.mark.parametrize("wrong, says", [
+    (_clip_before_unscale, "scaled gradients"),
+    (_no_unscale, "scaled gradients"),
+    (_update_before_step, "raised RuntimeError"),
+    (_optimizer_step, "must be skipped"),
+    (_no_update, "raised RuntimeError"),
+    (_fp32_forward, "fp16"),
+])
+def test_check_amp_step_rejects_wrong_orders(wrong, says, capsys):
+    assert not P.check_amp_step(wrong)
+    assert says in capsys.readouterr().out
+
+
+def test_checker_rejects_counts_every_wrong_order():
+    from course_utils import checks
+
+    assert checks.checker_rejects(P.check_amp_step, _clip_before_unscale, _update_before_step, _optimizer_step)
+    assert not checks.checker_rejects(P.check_amp_step, _clip_before_unscale, _right)
+
+
+def test_the_overflow_is_real():
+    """The injected batch overflows fp16 only once scaled: the hand-made reference skips exactly that step."""
+    _, norms = P._reference_run("cpu", 0.25)
+    assert [k for k, n in enumerate(norms) if not math.isfinite(n)] == [P.OVERFLOW_STEP]
+
+
+def test_check_amp_step_bad_inputs():
     def todo(*args, **kwargs):
         raise NotImplementedError
 
     with pytest.raises(NotImplementedError):
-        P.check_amp_loop(todo, steps=2)
+        P.check_amp_step(todo)
     with pytest.raises(ValueError, match="returned None"):
-        P.check_amp_loop(lambda *a, **k: None, steps=2)
+        P.check_amp_step(lambda *a: None)
     with pytest.raises(TypeError, match="function itself"):
-        P.check_amp_loop(None)
+        P.check_amp_step(None)
     with pytest.raises(ValueError, match="max_norm"):
-        P.check_amp_loop(P.reference_amp_train, max_norm=0)
-    with pytest.raises(ValueError, match="steps"):
-        P.exercise_setup(steps=1)
+        P.check_amp_step(_right, max_norm=0)
+    assert not P.check_amp_step(lambda *a: 1.0)
