@@ -10,7 +10,7 @@ import pytest
 from course_tools import colab
 
 ROOT = Path(__file__).resolve().parent.parent
-NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]*_*.ipynb"))  # 01b_... too
 URL = colab.canonical_repo_url()
 
 BOOTSTRAP = re.compile(

@@ -1,0 +1,244 @@
+"""A memory timeline of one training step, on any machine, and its export to PyTorch's memory viewer.
+
+``record_timeline(fn, model=, optimizer=)`` runs ``fn()`` under tensor tracking (PyTorch's ``MemTracker``, as
+:func:`course_utils.memory.measure_memory` does) and records every allocation and free with its bytes, category
+(params, grads, optimizer, activations, other) and phase (forward, backward, optimizer): on the CPU, on CUDA and
+under fake tensors. ``to_snapshot`` writes it in the format of ``torch.cuda.memory._snapshot()`` (addresses from
+:mod:`course_utils.allocator`), which PyTorch's viewer draws; ``snapshot_frame`` reads any snapshot back.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
+
+from .memory import CATEGORIES
+from .units import GIB, KIB, MIB
+
+try:  # private API, as in memory.py; tests/test_timeline.py pins what is used of it
+    from torch.distributed._tools.mem_tracker import MemTracker, _UpdateType
+except ImportError as _err:  # pragma: no cover
+    MemTracker, _UpdateType, _IMPORT_ERROR = object, None, _err
+else:
+    _IMPORT_ERROR = None
+
+_CATEGORY = {"Parameter": "params", "Gradient": "grads", "Optstate": "optimizer", "Activation": "activations"}
+_SHADES = {"start": "#f2f2f2", "forward": "#e8f0fb", "backward": "#fbeee8", "optimizer": "#eaf6ea"}
+
+
+class _Recorder(MemTracker):
+    """MemTracker that writes down every change to its running total, with category, phase and device."""
+
+    def __init__(self):
+        super().__init__()
+        self.events, self.recording, self._serial, self._last = [], True, itertools.count(), "forward"
+
+    def _phase(self) -> str:
+        """Inside optimizer.step(), backward() or a module's forward, that phase; between them (the loss,
+        zero_grad) the one that came last; before tracking starts, 'start'."""
+        if self._depth == 0:
+            return "start"
+        if self._in_opt or self._mod_tracker.is_bw or len(self._mod_tracker.parents) > 1:
+            self._last = "optimizer" if self._in_opt else "backward" if self._mod_tracker.is_bw else "forward"
+        return self._last
+
+    def _update_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None) -> None:
+        super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
+        if not self.recording:
+            return
+        key = winfo.__dict__.setdefault("course_key", next(self._serial))
+        cat = _CATEGORY.get(getattr(winfo.reftype, "value", None), "other")
+        row = (key, winfo.mem_consumed, cat, cat, self._phase(), str(winfo.device))
+        if u_type == _UpdateType.REF:  # same bytes, new category (a backward temporary becomes a gradient)
+            self.events.append(("move", *row[:3], _CATEGORY.get(getattr(old_reftype, "value", None), "other"), *row[4:]))
+        if u_type == _UpdateType.SIZE:  # a resized storage: the old size freed, the new one allocated
+            self.events.append(("free", key, old_mem_consumed, *row[2:]))
+        if u_type in (_UpdateType.ADD, _UpdateType.DEL, _UpdateType.SIZE):
+            self.events.append(("free" if u_type == _UpdateType.DEL else "alloc", *row))
+
+    def _update_peak_stats(self, peak_state) -> None:
+        pass  # the timeline finds its own peak: skip MemTracker's per-module peaks (O(modules) per op)
+
+    def _pre_fw_hook(self, module, inputs) -> None:
+        if module in self.memory_tracking and not self._mod_tracker.is_bw and \
+                set(self._mod_tracker.parents) - {self._mod_tracker.get_known_fqn(module)} == {"Global"}:
+            self.memory_tracking.clear()  # the root module's forward again: a second step, not an error
+        super()._pre_fw_hook(module, inputs)
+
+
+@dataclass
+class Timeline:
+    """One row per event in ``events`` (a DataFrame): ``action`` (alloc, free, or move: same bytes to a new
+    category), ``key`` (a tensor storage), ``bytes``, ``category``, ``from_category``, ``phase`` and ``total``
+    (bytes alive after it)."""
+
+    events: object
+    device: str
+    fake: bool = False
+
+    @property
+    def peak_bytes(self) -> int:
+        return int(self.events["total"].max()) if len(self.events) else 0
+
+    @property
+    def peak_index(self) -> int:
+        return int(self.events["total"].idxmax()) if len(self.events) else 0
+
+    def curve(self):
+        """Bytes alive per category after each event (a DataFrame, one column per category)."""
+        import pandas as pd
+
+        ev = self.events
+        one_hot = lambda column: pd.get_dummies(column).reindex(columns=list(CATEGORIES), fill_value=0).astype("int64")
+        signed = np.where(ev["action"] == "free", -ev["bytes"], ev["bytes"])
+        moved_out = one_hot(ev["from_category"].where(ev["action"] == "move")).mul(ev["bytes"], axis=0)
+        return (one_hot(ev["category"]).mul(signed, axis=0) - moved_out).cumsum()
+
+    def at_peak(self) -> dict[str, int]:
+        """Bytes per category at the peak."""
+        return {k: int(v) for k, v in self.curve().loc[self.peak_index].items()} if len(self.events) else {}
+
+    def phase_spans(self) -> list[tuple[str, int, int]]:
+        """(phase, first event, last event) for each run of events in one phase."""
+        runs = self.events.groupby((self.events["phase"] != self.events["phase"].shift()).cumsum())
+        return [(g["phase"].iloc[0], int(g.index[0]), int(g.index[-1])) for _, g in runs]
+
+    def trace(self) -> list[tuple[str, int, int]]:
+        """What the allocator sees: (action, key, bytes), action 'alloc' or 'free' (for allocator.replay)."""
+        rows = self.events[self.events["action"] != "move"]
+        return [(a, int(k), int(b)) for a, k, b in rows[["action", "key", "bytes"]].itertuples(index=False)]
+
+
+def record_timeline(fn, *, model: nn.Module | None = None, optimizer=None) -> Timeline:
+    """Run ``fn()`` and record every allocation and free, by category and phase.
+
+    As in :func:`course_utils.memory.measure_memory`, ``model``'s and ``optimizer``'s tensors count from the start
+    (phase 'start') and only the model's device is kept; build inputs inside ``fn`` to count them.
+    """
+    if not callable(fn):
+        raise TypeError(f"fn must be a zero-argument callable (e.g. `lambda: train_step()`), not {type(fn).__name__}.")
+    if model is not None and not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module (or None), not {type(model).__name__}.")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer (or None), not {type(optimizer).__name__}.")
+    if _IMPORT_ERROR is not None:  # pragma: no cover
+        raise RuntimeError(f"This torch ({torch.__version__}) has no MemTracker ({_IMPORT_ERROR}); install the course's torch.")
+    import pandas as pd
+
+    recorder = _Recorder()
+    recorder.track_external(*(obj for obj in (model, optimizer) if obj is not None))
+    with recorder:
+        fn()
+    recorder.recording = False
+    ev = pd.DataFrame(recorder.events, columns=["action", "key", "bytes", "category", "from_category", "phase", "device"])
+    params = list(model.parameters()) if model is not None else []
+    device = str(params[0].device) if params else (ev["device"].mode().iloc[0] if len(ev) else "cpu")
+    ev = ev[ev["device"] == device].drop(columns="device").reset_index(drop=True)
+    if optimizer is not None:  # as measure_memory: what optimizer.step() makes and does not keep is 'other'
+        winfos = [recorder._WINFO.get(t.untyped_storage(), (None,))[0] for s in optimizer.state.values()
+                  for t in s.values() if isinstance(t, torch.Tensor)]
+        temporary = ~ev["key"].isin([w.course_key for w in winfos if hasattr(w, "course_key")])
+        for column in ("category", "from_category"):
+            ev.loc[temporary & (ev[column] == "optimizer"), column] = "other"
+    ev["bytes"] = ev["bytes"].astype("int64")
+    ev["total"] = np.where(ev["action"] == "alloc", ev["bytes"], np.where(ev["action"] == "free", -ev["bytes"], 0)).cumsum()
+    return Timeline(events=ev, device=device, fake=any(isinstance(p, FakeTensor) for p in params))
+
+
+def plot_timeline(timeline: Timeline, *, ax=None, reserved=None, title: str | None = None, unit: str = "MiB"):
+    """Memory over time stacked by category, the peak marked, the phases shaded; ``reserved`` (e.g. the
+    simulator's, one value per event or per alloc/free) as a dashed line."""
+    import matplotlib.pyplot as plt
+
+    from .plots import CATEGORY_COLORS
+
+    if not isinstance(timeline, Timeline):
+        raise TypeError(f"plot_timeline takes a Timeline from record_timeline(), not {type(timeline).__name__}.")
+    scale = {"KiB": KIB, "MiB": MIB, "GiB": GIB}.get(unit)
+    if scale is None:
+        raise ValueError(f"unit must be 'KiB', 'MiB' or 'GiB', not {unit!r}.")
+    ax = ax or plt.subplots(figsize=(9, 3.5))[1]
+    curve, x = timeline.curve() / scale, np.arange(len(timeline.events))
+    ax.stackplot(x, *curve.T.values, labels=list(CATEGORIES), colors=[CATEGORY_COLORS.get(c) for c in CATEGORIES], alpha=0.85)
+    for phase, first, last in timeline.phase_spans():
+        ax.axvspan(first - 0.5, last + 0.5, color=_SHADES[phase], zorder=-1, lw=0)
+    top = timeline.peak_bytes / scale
+    if reserved is not None:
+        reserved = np.asarray(reserved) / scale
+        xr = x if len(reserved) == len(x) else np.flatnonzero(timeline.events["action"] != "move")
+        if len(xr) != len(reserved):
+            raise ValueError(f"reserved has {len(reserved)} values; pass one per event ({len(x)}) or per alloc/free ({len(xr)}).")
+        ax.plot(xr, reserved, color="black", lw=1.2, ls="--", label="reserved (simulated)")
+        top = max(top, reserved.max())
+    peak = timeline.peak_index
+    ax.plot([peak], [timeline.peak_bytes / scale], "k^", ms=8)
+    ax.annotate(f"peak {timeline.peak_bytes / scale:,.1f} {unit} ({timeline.events['phase'].iloc[peak]})",
+                (peak, timeline.peak_bytes / scale), textcoords="offset points", xytext=(8, 2), fontsize="small")
+    ax.set(ylim=(0, 1.2 * top), ylabel=unit, xlabel="allocation or free, in order (shading: start, forward, backward, optimizer)",
+           title=title or f"Memory over one step on {timeline.device}{' (fake tensors)' if timeline.fake else ''}")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small")
+    return ax
+
+
+def to_snapshot(timeline: Timeline, **allocator_options) -> dict:
+    """The timeline as a memory snapshot (torch.cuda.memory._snapshot()'s format), with the addresses and segments
+    of the allocator simulator (``allocator_options``, e.g. ``expandable_segments=True``). Each block's stack frame
+    names its category and phase. Pickle it and drop the file on https://pytorch.org/memory_viz."""
+    from .allocator import CachingAllocator
+
+    if not isinstance(timeline, Timeline):
+        raise TypeError(f"to_snapshot takes a Timeline from record_timeline(), not {type(timeline).__name__}.")
+    sim, trace = CachingAllocator(**allocator_options), []
+    for action, key, nbytes, category, _, phase, _ in timeline.events.itertuples(index=False):
+        if action != "move":
+            first = len(sim.events)
+            sim.malloc(int(nbytes), key) if action == "alloc" else sim.free(key)
+            trace += [{"action": kind, "addr": addr, "size": size, "stream": 0, "time_us": len(trace) + i,
+                       "frames": [{"filename": phase, "line": 0, "name": category}]}
+                      for i, (kind, addr, size) in enumerate(sim.events[first:])]
+    return {"segments": sim.segments_snapshot(), "device_traces": [trace],
+            "allocator_settings": {"expandable_segments": sim.expandable_segments}}
+
+
+def check_snapshot(snapshot: dict) -> str:
+    """Read a snapshot with PyTorch's viewer code (``torch.cuda._memory_viz``: ``trace_plot`` and ``segment_plot``,
+    the HTML of pytorch.org/memory_viz; ``trace``; ``segsum``, which checks every segment adds up). Returns the
+    segment summary; raises ValueError saying why it cannot be read."""
+    from torch.cuda import _memory_viz as viz
+
+    if not isinstance(snapshot, dict) or not {"segments", "device_traces"} <= set(snapshot):
+        raise ValueError("A snapshot is a dict with 'segments' and 'device_traces' (to_snapshot(), torch.cuda.memory._snapshot()).")
+    try:
+        if not all("snapshot.pickle" in html for html in (viz.trace_plot(snapshot), viz.segment_plot(snapshot))):
+            raise AssertionError("the viewer's HTML does not embed the snapshot")
+        viz.trace(snapshot)
+        return viz.segsum(snapshot)
+    except (KeyError, TypeError, AssertionError, AttributeError) as err:
+        raise ValueError(f"PyTorch's memory viewer cannot read this snapshot: {type(err).__name__}: {err}") from err
+
+
+def snapshot_frame(snapshot: dict, device: int = 0):
+    """Allocated (tensor bytes) and reserved (segment bytes) after each event of a snapshot's trace: backwards
+    from the final state in ``snapshot['segments']``, as PyTorch's viewer does, so a recording begun mid-run
+    (``torch.cuda.memory._record_memory_history``) reads right."""
+    import pandas as pd
+
+    if not isinstance(snapshot, dict) or "device_traces" not in snapshot:
+        raise ValueError("snapshot_frame takes a snapshot dict (to_snapshot(), torch.cuda.memory._snapshot()).")
+    if not 0 <= device < len(snapshot["device_traces"]):
+        raise ValueError(f"device {device} has no trace; this snapshot has {len(snapshot['device_traces'])}.")
+    segments = [s for s in snapshot["segments"] if s.get("device", device) == device]
+    allocated = sum(b.get("requested_size", b["size"]) for s in segments for b in s["blocks"] if b["state"] == "active_allocated")
+    reserved = sum(s["total_size"] for s in segments)
+    effect = {"alloc": (1, 0), "free_completed": (-1, 0), "segment_alloc": (0, 1), "segment_map": (0, 1),
+              "segment_free": (0, -1), "segment_unmap": (0, -1)}
+    rows = []
+    for event in reversed(snapshot["device_traces"][device]):
+        rows.append((event["action"], allocated, reserved))
+        da, dr = effect.get(event["action"], (0, 0))
+        allocated, reserved = allocated - da * event["size"], reserved - dr * event["size"]
+    return pd.DataFrame(rows[::-1], columns=["action", "allocated", "reserved"])

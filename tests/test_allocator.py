@@ -1,0 +1,201 @@
+"""The caching-allocator simulator follows CUDACachingAllocator.cpp's rules; OOM messages parse and diagnose."""
+import ast
+import json
+from pathlib import Path
+
+import pytest
+
+from course_utils import allocator as A
+from course_utils.checks import checker_rejects
+from course_utils.units import GIB, KIB, MIB
+
+NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "01b_reading_gpu_memory.ipynb"
+
+
+def test_constants_are_pytorchs():
+    # kMinBlockSize, kSmallSize, kSmallBuffer, kLargeBuffer, kMinLargeAlloc, kRoundLarge in CUDACachingAllocator.cpp
+    assert (A.K_MIN_BLOCK_SIZE, A.K_SMALL_SIZE, A.K_SMALL_BUFFER) == (512, 1048576, 2097152)
+    assert (A.K_LARGE_BUFFER, A.K_MIN_LARGE_ALLOC, A.K_ROUND_LARGE) == (20971520, 10485760, 2097152)
+
+
+@pytest.mark.parametrize("nbytes, rounded", [(0, 512), (1, 512), (512, 512), (513, 1024), (4 * MIB + 1, 4 * MIB + 512)])
+def test_round_size(nbytes, rounded):
+    assert A.round_size(nbytes) == rounded
+
+
+@pytest.mark.parametrize("size, segment", [(512, 2 * MIB), (MIB, 2 * MIB), (MIB + 512, 20 * MIB),
+                                           (10 * MIB - 512, 20 * MIB), (10 * MIB, 10 * MIB), (11 * MIB, 12 * MIB)])
+def test_allocation_size(size, segment):
+    assert A.allocation_size(size) == segment
+
+
+def test_small_requests_share_a_2_mib_segment():
+    sim = A.CachingAllocator()
+    for i in range(4):
+        sim.malloc(100 * KIB, i)
+    assert sim.reserved == 2 * MIB and len(sim.segments) == 1
+    assert sim.allocated == 4 * A.round_size(100 * KIB)
+
+
+def test_a_3_mib_request_gets_a_20_mib_segment_and_the_rest_is_reused():
+    sim = A.CachingAllocator()
+    sim.malloc(3 * MIB, "a")
+    assert (sim.reserved, sim.allocated) == (20 * MIB, 3 * MIB)
+    sim.malloc(3 * MIB, "b")
+    assert sim.reserved == 20 * MIB and len(sim.segments[0].blocks) == 3
+
+
+def test_a_large_remainder_of_1_mib_or_less_is_not_split():
+    sim = A.CachingAllocator()
+    sim.malloc(11 * MIB, "a")  # 12 MiB segment, 1 MiB left: should_split needs more than kSmallSize
+    assert sim.allocated == 12 * MIB and len(sim.segments[0].blocks) == 1
+
+
+def test_free_merges_neighbours_and_empty_cache_keeps_segments_in_use():
+    sim = A.CachingAllocator()
+    for key in "abc":
+        sim.malloc(3 * MIB, key)
+    sim.free("b")
+    sim.free("a")
+    assert [(b.size // MIB, b.allocated) for b in sim.segments[0].blocks] == [(6, False), (3, True), (11, False)]
+    assert sim.empty_cache() == 0  # c is alive: its segment cannot go back
+    sim.malloc(50 * MIB, "big")
+    sim.free("big")
+    assert sim.empty_cache() == 50 * MIB and sim.reserved == 20 * MIB
+    assert sim.memory_stats()["reserved_bytes.all.peak"] == 70 * MIB
+
+
+def test_max_split_size_keeps_oversize_blocks_whole():
+    sim = A.CachingAllocator(max_split_size=32 * MIB)
+    sim.malloc(40 * MIB, "a")
+    sim.free("a")
+    sim.malloc(5 * MIB, "b")  # an oversize cached block is not handed to a smaller request
+    assert sim.reserved == 60 * MIB
+    sim.malloc(34 * MIB, "c")  # within kLargeBuffer of 40 MiB: reused whole, not split
+    assert sim.live["c"].size == 40 * MIB and sim.reserved == 60 * MIB
+
+
+def test_oversize_cached_segments_are_released_first():
+    sim = A.CachingAllocator(capacity=100 * MIB, max_split_size=32 * MIB)
+    sim.malloc(40 * MIB, "a")
+    sim.malloc(8 * MIB, "small")
+    sim.free("a")
+    sim.malloc(70 * MIB, "b")  # the cached 40 MiB oversize segment goes back to the driver to make room
+    assert sim.reserved == 90 * MIB and [e[0] for e in sim.events].count("segment_free") == 1
+    assert sim.num_alloc_retries == 1
+
+
+def _fragmenting_trace():
+    trace = [("alloc", f"act{i}", 96 * MIB) for i in range(10)] + [("free", f"act{i}", 0) for i in range(10)]
+    trace += [("alloc", f"keep{i}", 56 * MIB) for i in range(10)]
+    return trace + [("alloc", f"new{i}", 64 * MIB) for i in range(6)]
+
+
+def test_fragmentation_ooms_and_expandable_segments_do_not():
+    with pytest.raises(A.OutOfMemory) as err:
+        A.replay(_fragmenting_trace(), capacity=GIB)
+    message = A.parse_oom(str(err.value))
+    assert message.tried == 64 * MIB and message.unallocated == 400 * MIB and message.reserved == 1024 * MIB
+    frame, sim = A.replay(_fragmenting_trace(), capacity=GIB, expandable_segments=True)
+    assert sim.peak_reserved == 960 * MIB and frame["reserved"].iloc[-1] <= GIB
+    plain, _ = A.replay(_fragmenting_trace())
+    assert plain["reserved"].max() == 960 * MIB + 6 * 64 * MIB
+
+
+def test_expandable_segments_map_pages_and_release_them():
+    sim = A.CachingAllocator(expandable_segments=True)
+    sim.malloc(30 * MIB, "a")
+    assert sim.reserved == 40 * MIB  # two 20 MiB pages of the large pool
+    sim.malloc(100 * KIB, "s")
+    assert sim.reserved == 42 * MIB  # one 2 MiB page of the small pool
+    sim.free("a")
+    assert sim.empty_cache() == 40 * MIB and sim.reserved == 2 * MIB
+
+
+def test_retry_frees_cached_segments_before_an_oom():
+    sim = A.CachingAllocator(capacity=100 * MIB)
+    sim.malloc(60 * MIB, "a")
+    sim.free("a")
+    sim.malloc(70 * MIB, "b")  # does not fit beside the cached 60 MiB: released, then retried
+    assert sim.num_alloc_retries == 1 and sim.reserved == 70 * MIB
+
+
+def test_replay_frame_and_overhead_ratio():
+    frame, sim = A.replay([("alloc", 1, 3 * MIB), ("alloc", 2, 100), ("free", 1, 0)])
+    assert list(frame.columns) == ["requested", "allocated", "reserved", "fragmentation"]
+    assert (frame["reserved"] >= frame["allocated"]).all() and (frame["allocated"] >= frame["requested"]).all()
+    assert A.reserved_over_allocated([("alloc", 1, 3 * MIB)]) == pytest.approx(20 / 3)
+    with pytest.raises(ValueError, match="allocates nothing"):
+        A.reserved_over_allocated([])
+
+
+def test_bad_input_is_explained():
+    sim = A.CachingAllocator()
+    with pytest.raises(ValueError, match="whole number of bytes"):
+        sim.malloc(-1)
+    with pytest.raises(KeyError, match="not allocated"):
+        sim.free("nope")
+    sim.malloc(10, "x")
+    with pytest.raises(ValueError, match="already allocated"):
+        sim.malloc(10, "x")
+    with pytest.raises(ValueError, match="positive number of bytes"):
+        A.CachingAllocator(capacity=0)
+    with pytest.raises(ValueError, match="'alloc' or 'free'"):
+        A.replay([("malloc", 1, 10)])
+
+
+@pytest.mark.parametrize("nbytes, text", [(0, "0 bytes"), (1024, "1024 bytes"), (1025, "1.00 KiB"),
+                                          (MIB, "1024.00 KiB"), (20 * MIB, "20.00 MiB"), (GIB, "1024.00 MiB"),
+                                          (int(1.5 * GIB), "1.50 GiB")])
+def test_format_size_is_pytorchs(nbytes, text):
+    assert A.format_size(nbytes) == text
+
+
+def test_every_shipped_message_parses():
+    messages = A.real_oom_messages()
+    assert len(messages) >= 12 and {label for label, _ in messages} >= set(A.DIAGNOSES)
+    for _, text in messages:
+        m = A.parse_oom(text)
+        assert 0 < m.tried and 0 < m.total and 0 <= m.allocated <= m.reserved <= m.total
+    m = A.parse_oom(messages[0][1])
+    assert (m.gpu, m.tried, m.unallocated) == (5, 20 * MIB, round(21.90 * GIB))
+    assert A.parse_oom(A.oom_message(3 * GIB, total=16 * GIB, free=GIB, allocated=12 * GIB, reserved=14 * GIB,
+                                     this_process=15 * GIB)).others() == 0
+
+
+def test_parse_oom_explains_bad_input():
+    with pytest.raises(TypeError):
+        A.parse_oom(42)
+    with pytest.raises(ValueError, match="not an out-of-memory message"):
+        A.parse_oom("RuntimeError: shape mismatch")
+    with pytest.raises(ValueError, match="whole message"):
+        A.parse_oom("CUDA out of memory. Tried to allocate 2.00 GiB.")
+
+
+def _notebook_solution():
+    """The notebook's hidden solution cell: the diagnosis the checker is tested against."""
+    cells = json.loads(NOTEBOOK.read_text())["cells"]
+    source = next("".join(c["source"]) for c in cells if "solution" in c["metadata"].get("tags", []))
+    tree = ast.parse(source)
+    namespace = {}
+    exec(compile(ast.Module([n for n in tree.body if isinstance(n, ast.FunctionDef)], []), "solution", "exec"), namespace)
+    return next(v for k, v in namespace.items() if k.startswith("solution"))
+
+
+def test_diagnosis_checker_accepts_the_notebooks_solution_and_rejects_mistakes():
+    assert A.check_oom_diagnosis(_notebook_solution())
+    assert checker_rejects(
+        A.check_oom_diagnosis,
+        lambda m: "fragmentation",  # always follow the message's own hint
+        lambda m: "fragmentation" if m.unallocated >= m.tried - m.free else "smaller peak",  # forgets other processes
+        lambda m: "smaller peak" if m.tried > m.free else "another process",  # compares tried with free only
+    )
+    with pytest.raises(TypeError):
+        A.check_oom_diagnosis("fragmentation")
+
+
+def test_options_from_env():
+    assert A.options_from_env("") == {}
+    assert A.options_from_env("expandable_segments:True, max_split_size_mb:128") == {
+        "expandable_segments": True, "max_split_size": 128 * MIB}
+    assert A.options_from_env("garbage_collection_threshold:0.6") == {}
