@@ -1,16 +1,14 @@
 """Memory accounting (notebook 01): where does GPU memory go?
 
-The helpers behind the lesson's measurements; the training loops stay in the notebook.
+The helpers behind the lesson's measurements; the training loops and the saved-tensor hook stay in
+the notebook, and the measuring itself (``measure_memory``, ``live_bytes_over_steps``, byte counts)
+is :mod:`course_utils.memory`.
 
 - :func:`gpu_monitor` runs ``nvidia-smi`` / ``gpustat`` when installed (``nvtop`` is interactive and is
   only located), and says what each would show where it is absent. It never fails.
-- :func:`torch_memory_view` PyTorch's own view: allocated, peak, reserved (CUDA), or the process RSS on CPU.
-- :func:`state_bytes` the persistent training state measured from live tensors: parameters, gradients,
-  optimizer state; :func:`seed_multiplier` the article's ``params x n`` rule (n=2 SGD, n=4 Adam).
+- :func:`seed_multiplier` the article's ``params x n`` rule (n=2 SGD, n=4 Adam).
 - :func:`modelsize` the article's ``modelsize()`` (module outputs of a Sequential, x2 for backward),
-  :func:`module_output_bytes` the same count for any model (forward hooks), and
-  :func:`saved_tensors_by_op` what autograd really keeps, read from the graph.
-- :func:`live_bytes_over_steps` the bytes alive after each step of a loop (the ``total_loss += loss`` leak).
+  :func:`module_output_bytes` the same count for any model (forward hooks).
 - :func:`largest_batch_that_fits` doubling + bisection over a monotone ``peak(batch)``.
 - :func:`quick_wins_frame` / :func:`plot_quick_wins` the before/after table and plot of the quick wins.
 """
@@ -19,14 +17,13 @@ from __future__ import annotations
 import math
 import shutil
 import subprocess
-import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 import torch
 from torch import nn
 
-from .memory import storage_key
+from .memory import iter_tensors
 from .units import MIB
 
 
@@ -117,41 +114,8 @@ def gpu_monitor(tools: Iterable[str] = ("nvidia-smi", "gpustat", "nvtop"), *, ti
     return reports
 
 
-def torch_memory_view(device=None) -> dict[str, int | str]:
-    """PyTorch's own view of memory on ``device`` (default: the course device).
-
-    On CUDA: ``allocated`` (bytes in live tensors), ``max_allocated`` (the peak since the last reset),
-    ``reserved`` (held by the caching allocator, >= allocated). Elsewhere: the process's resident
-    memory (``rss``), which counts everything Python holds, not just tensors.
-    """
-    if device is None:
-        from .hardware import get_device
-
-        device = get_device()
-    try:
-        device = torch.device(device)
-    except (RuntimeError, TypeError) as err:
-        raise ValueError(f"device must be something like 'cuda', 'cuda:0' or 'cpu', not {device!r} ({err}).") from None
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError("device is 'cuda' but no CUDA GPU is available here; pass 'cpu'.")
-        return {
-            "device": str(device),
-            "allocated": int(torch.cuda.memory_allocated(device)),
-            "max_allocated": int(torch.cuda.max_memory_allocated(device)),
-            "reserved": int(torch.cuda.memory_reserved(device)),
-        }
-    try:
-        import psutil
-
-        rss = int(psutil.Process().memory_info().rss)
-    except ImportError:  # pragma: no cover - psutil is a dependency
-        rss = -1
-    return {"device": str(device), "rss": rss}
-
-
 # ---------------------------------------------------------------------------------------------
-# 2. Persistent state: params, grads, optimizer
+# 2. The article's rule for the persistent state
 # ---------------------------------------------------------------------------------------------
 
 # The article: "memory = params x n", n = 2 for SGD (weights + grads) and 4 for Adam (+ m and v).
@@ -169,41 +133,8 @@ def seed_multiplier(optimizer: str) -> int:
     return _SEED_N[key]
 
 
-def _sum_unique(tensors, seen: set) -> int:
-    total = 0
-    for t in tensors:
-        key = storage_key(t)
-        if key not in seen:
-            seen.add(key)
-            total += t.untyped_storage().nbytes()
-    return total
-
-
-def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
-    """Bytes alive now in the model's parameters, their gradients and the optimizer's state.
-
-    Measured from the tensors themselves (each storage once), so call it after a training step:
-    before the first ``optimizer.step()`` Adam has no state yet, and after
-    ``zero_grad(set_to_none=True)`` there are no gradients.
-    """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}.")
-    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"optimizer must be a torch.optim.Optimizer or None, not {type(optimizer).__name__}.")
-    seen: set = set()
-    params = list(model.parameters())
-    out = {"params": _sum_unique(params, seen)}
-    out["grads"] = _sum_unique([p.grad for p in params if p.grad is not None], seen)
-    state = []
-    if optimizer is not None:
-        for per_param in optimizer.state.values():
-            state += [v for v in per_param.values() if isinstance(v, torch.Tensor)]
-    out["optimizer"] = _sum_unique(state, seen)
-    return out
-
-
 # ---------------------------------------------------------------------------------------------
-# 4. Activations: module outputs (the article) vs what autograd saves
+# 3. Activations as the article counts them: module outputs
 # ---------------------------------------------------------------------------------------------
 
 @dataclass
@@ -275,7 +206,7 @@ def module_output_bytes(model: nn.Module, *inputs, skip_inplace: bool = True, **
     def hook(mod, args, out):
         if skip_inplace and getattr(mod, "inplace", False):
             return
-        for t in _tensors(out):
+        for t in iter_tensors(out):
             rows.append({"module": names.get(mod, "?"), "type": type(mod).__name__, "shape": tuple(t.shape),
                          "bytes": t.numel() * t.element_size()})
 
@@ -290,136 +221,8 @@ def module_output_bytes(model: nn.Module, *inputs, skip_inplace: bool = True, **
     return int(frame["bytes"].sum()), frame
 
 
-def _tensors(obj):
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _tensors(v)
-    elif isinstance(obj, dict) or (hasattr(obj, "values") and callable(obj.values)):
-        for v in obj.values():
-            yield from _tensors(v)
-
-
-def saved_tensors_by_op(output: torch.Tensor, *, exclude: Iterable[torch.Tensor] = ()):
-    """What autograd keeps for backward, read from the graph behind ``output``.
-
-    Walks ``output.grad_fn`` and collects every saved tensor (the ``_saved_*`` attributes of each
-    backward node), each storage once, leaving out ``exclude`` (pass ``model.parameters()``: weights
-    saved for backward are counted as parameters already). Returns a DataFrame with one row per
-    saved storage: op (the backward node), shape, dtype, bytes. Call it right after the forward,
-    before ``backward()`` frees them.
-    """
-    import pandas as pd
-
-    if not isinstance(output, torch.Tensor):
-        raise TypeError(f"output must be the tensor a forward pass returned (e.g. the loss), not {type(output).__name__}.")
-    if output.grad_fn is None:
-        raise ValueError(
-            "output has no autograd graph: run the forward with gradients on (not under torch.no_grad() "
-            "or inference_mode), with a model that has trainable parameters."
-        )
-    seen = {storage_key(t) for t in exclude}
-    rows, stack, visited = [], [output.grad_fn], set()
-    while stack:
-        node = stack.pop()
-        if node is None or node in visited:
-            continue
-        visited.add(node)
-        for attr in dir(node):
-            if not attr.startswith("_saved_"):
-                continue
-            try:
-                value = getattr(node, attr)
-            except RuntimeError:  # already freed by a backward
-                raise ValueError("The graph's saved tensors were already freed by backward(); call this before it.") from None
-            for t in _tensors(value):
-                key = storage_key(t)
-                if key in seen:
-                    continue
-                seen.add(key)
-                rows.append({"op": type(node).__name__.replace("Backward0", "").replace("Backward1", ""),
-                             "saved": attr[len("_saved_"):], "shape": tuple(t.shape), "dtype": str(t.dtype).replace("torch.", ""),
-                             "bytes": t.untyped_storage().nbytes()})
-        stack.extend(fn for fn, _ in node.next_functions if fn is not None)
-    return pd.DataFrame(rows, columns=["op", "saved", "shape", "dtype", "bytes"])
-
-
 # ---------------------------------------------------------------------------------------------
-# 5. Memory over the steps of a loop (the `total_loss += loss` leak)
-# ---------------------------------------------------------------------------------------------
-
-class _LiveBytes:
-    """Counts bytes of tensor storages created while active and still alive (CPU or fake tensors)."""
-
-    def __init__(self):
-        from torch.utils._python_dispatch import TorchDispatchMode
-        from torch.utils._pytree import tree_flatten
-
-        tracker = self
-        self.current = 0
-        self.peak = 0
-        self._live: dict[int, int] = {}
-
-        class _Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                out = func(*args, **(kwargs or {}))
-                for t in tree_flatten(out)[0]:
-                    if isinstance(t, torch.Tensor):
-                        tracker._add(t)
-                return out
-
-        self.mode = _Mode()
-
-    def _add(self, t: torch.Tensor) -> None:
-        storage = t.untyped_storage()
-        key = id(storage)
-        if key in self._live:
-            return
-        n = storage.nbytes()
-        self._live[key] = n
-        self.current += n
-        self.peak = max(self.peak, self.current)
-        weakref.finalize(storage, self._free, key)
-
-    def _free(self, key: int) -> None:
-        self.current -= self._live.pop(key, 0)
-
-
-def live_bytes_over_steps(step: Callable[[int], object], n_steps: int, *, device=None) -> list[int]:
-    """Run ``step(i)`` for i in range(n_steps); return the bytes still alive after each step.
-
-    Counts the tensors created by the steps (not the model's parameters made before), so a flat
-    line means "no leak" and a rising line is memory held across steps. On CUDA it is
-    ``torch.cuda.memory_allocated()`` minus its value before the first step; elsewhere tensors are
-    tracked as PyTorch creates them and counted until they are freed. Whatever ``step`` returns is
-    dropped at once.
-    """
-    if not callable(step):
-        raise TypeError(f"step must be a function of the step index, e.g. `def step(i): ...`, not {type(step).__name__}.")
-    if isinstance(n_steps, bool) or not isinstance(n_steps, int) or n_steps <= 0:
-        raise ValueError(f"n_steps must be a positive integer, not {n_steps!r}.")
-    device = torch.device(device) if device is not None else None
-    if device is not None and device.type == "cuda" and torch.cuda.is_available():
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated(device)
-        series = []
-        for i in range(n_steps):
-            step(i)
-            torch.cuda.synchronize()
-            series.append(int(torch.cuda.memory_allocated(device) - base))
-        return series
-    tracker = _LiveBytes()
-    series = []
-    with tracker.mode:
-        for i in range(n_steps):
-            step(i)
-            series.append(int(tracker.current))
-    return series
-
-
-# ---------------------------------------------------------------------------------------------
-# 6. The largest batch that fits a budget
+# 4. The largest batch that fits a budget
 # ---------------------------------------------------------------------------------------------
 
 @dataclass

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .memory import storage_key
+from .memory import iter_tensors, storage_key
 from .validation import positive_int
 
 
@@ -36,6 +36,7 @@ _DTYPE_ALIASES = {
 # state tensors per parameter, in units of the parameter's dtype (8-bit Adam handled apart)
 _STATE_COPIES = {"sgd": 0, "sgd_momentum": 1, "adam": 2, "adamw": 2}
 OPTIMIZERS = ("sgd", "sgd_momentum", "adam", "adamw", "adam8bit")
+BEFORE_ANY_MODULE = "(before any module)"
 BNB_BLOCKSIZE = 256  # bitsandbytes' block size for 8-bit optimizer state since 0.44
 BNB_MIN_8BIT_SIZE = 4096  # smaller tensors keep 32-bit state
 
@@ -149,14 +150,14 @@ def _forward_profile(model: nn.Module, inputs, kwargs) -> dict:
     if not inputs and not kwargs:
         raise ValueError("Pass an example input, e.g. activation_bytes(model, torch.randn(8, 1, 28, 28)).")
     params = _param_keys(model)
-    leaf_modules = {id(m) for m in model.modules() if not list(m.children())}
-    segments: list[dict] = [{"saved": 0, "largest": 0}]  # segment 0: before any module runs
+    leaf_modules = {id(m): name for name, m in model.named_modules() if not list(m.children())}
+    segments: list[dict] = [{"saved": 0, "largest": 0, "module": BEFORE_ANY_MODULE}]  # segment 0: before any module runs
     seen: set = set()
     last_use: dict = {}
 
     def pre_hook(module, args):
         if id(module) in leaf_modules:
-            segments.append({"saved": 0, "largest": 0})
+            segments.append({"saved": 0, "largest": 0, "module": leaf_modules[id(module)]})
             for p in module.parameters(recurse=False):
                 last_use[id(p)] = (len(segments) - 1, p.numel() * p.element_size())
 
@@ -178,8 +179,8 @@ def _forward_profile(model: nn.Module, inputs, kwargs) -> dict:
     finally:
         handle.remove()
         model.train(was_training)
-    outs = [t.untyped_storage().nbytes() for t in _tensors_in(out)]
-    ins = [t.untyped_storage().nbytes() for t in _tensors_in((inputs, kwargs))]
+    outs = [t.untyped_storage().nbytes() for t in iter_tensors(out)]
+    ins = [t.untyped_storage().nbytes() for t in iter_tensors((inputs, kwargs))]
     del out
     saved = sum(seg["saved"] for seg in segments)
     output_bytes, largest_output = sum(outs), max(outs, default=0)
@@ -198,8 +199,13 @@ def _forward_profile(model: nn.Module, inputs, kwargs) -> dict:
         temps = 2 * largest_output if s == last else segments[s]["largest"]
         backward_peak = max(backward_peak, live + grads + temps)
         live -= segments[s]["saved"] + (output_bytes if s == last else 0)
+    by_module: dict[str, int] = {}
+    for seg in segments:
+        if seg["saved"]:
+            by_module[seg["module"]] = by_module.get(seg["module"], 0) + seg["saved"]
     return {"saved": saved, "output": output_bytes, "largest_output": largest_output, "inputs": sum(ins),
-            "backward_peak": backward_peak, "grads_bytes": sum(b for _, b in last_use.values())}
+            "backward_peak": backward_peak, "grads_bytes": sum(b for _, b in last_use.values()),
+            "by_module": by_module}
 
 
 def activation_bytes(model: nn.Module, *inputs, **kwargs) -> int:
@@ -210,6 +216,17 @@ def activation_bytes(model: nn.Module, *inputs, **kwargs) -> int:
     """
     profile = _forward_profile(model, inputs, kwargs)
     return profile["saved"] + profile["output"]
+
+
+def saved_bytes_by_module(model: nn.Module, *inputs, **kwargs) -> dict[str, int]:
+    """Bytes autograd saves during one forward pass, by the leaf module that was running.
+
+    ``{module name (as in model.named_modules()): bytes}``; each storage counts once, for the
+    module running when it was first saved (an op outside modules, such as ``F.relu`` or a
+    residual add, belongs to the module called last; before any module: ``BEFORE_ANY_MODULE``).
+    Parameters are left out, and so are modules that saved nothing.
+    """
+    return _forward_profile(model, inputs, kwargs)["by_module"]
 
 
 def step_scratch_bytes(param_sizes: list[int], optimizer: str = "adam", *, param_dtype="fp32",
@@ -231,17 +248,6 @@ def step_scratch_bytes(param_sizes: list[int], optimizer: str = "adam", *, param
     if foreach:
         return sum(param_sizes) * width
     return 2 * max(param_sizes) * width
-
-
-def _tensors_in(obj):
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict) or hasattr(obj, "values") and callable(obj.values):
-        for v in obj.values():
-            yield from _tensors_in(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _tensors_in(v)
 
 
 @dataclass

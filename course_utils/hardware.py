@@ -116,12 +116,67 @@ def course_profile() -> str:
     return "full" if torch.cuda.is_available() else "smoke"
 
 
+def cuda_context_from_counters(device_free: int, device_total: int, reserved: int) -> int:
+    """The card's memory in use outside PyTorch's caching allocator, from three counters.
+
+    ``device_total - device_free`` (from ``torch.cuda.mem_get_info()``, what nvidia-smi calls used)
+    minus ``reserved`` (``torch.cuda.memory_reserved()``): the CUDA context of this process (kernels,
+    cuBLAS/cuDNN workspaces, driver state). ``mem_get_info`` is the whole card's, so other processes
+    on the same GPU (another notebook, a display) count here too: on a shared card this reads high.
+    Never below 0.
+    """
+    for name, value in (("device_free", device_free), ("device_total", device_total), ("reserved", reserved)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be a whole number of bytes >= 0, not {value!r}.")
+    if device_free > device_total:
+        raise ValueError(f"device_free ({device_free}) exceeds device_total ({device_total}): pass mem_get_info()'s (free, total).")
+    return max(0, device_total - device_free - reserved)
+
+
+def cuda_context_bytes(counters=None) -> int | None:
+    """The CUDA context measured on this card (see :func:`cuda_context_from_counters`); None without CUDA.
+
+    ``counters`` is a counter source such as ``memory.CudaCounters()`` (default on a CUDA GPU); a
+    test passes a fake one. :data:`CUDA_CONTEXT_BYTES` is the stated default where nothing is measured.
+    """
+    if counters is None:
+        if not torch.cuda.is_available():
+            return None
+        from .memory import CudaCounters
+
+        counters = CudaCounters()
+    free, total = counters.mem_get_info()
+    return cuda_context_from_counters(int(free), int(total), int(counters.memory_reserved()))
+
+
+def allocator_fraction(total_bytes: int, budget_bytes: int, context_bytes: int) -> float:
+    """The fraction of a card to give PyTorch's allocator so that allocator + context fit ``budget_bytes``.
+
+    ``(budget - context) / total``, capped at 1 (a card no larger than the budget needs no cap).
+    Raises ``ValueError`` when the budget does not even hold the context.
+    """
+    for name, value in (("total_bytes", total_bytes), ("budget_bytes", budget_bytes), ("context_bytes", context_bytes)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be a whole number of bytes >= 0, not {value!r}.")
+    if total_bytes == 0:
+        raise ValueError("total_bytes is 0: pass the card's memory (torch.cuda.get_device_properties(0).total_memory).")
+    if budget_bytes <= context_bytes:
+        raise ValueError(
+            f"A budget of {budget_bytes / GIB:.2f} GiB leaves nothing for tensors once the CUDA context "
+            f"({context_bytes / GIB:.2f} GiB) is counted: raise the budget above the context."
+        )
+    return min(1.0, (budget_bytes - context_bytes) / total_bytes)
+
+
 def cap_gpu_memory(budget_gib: float) -> str:
     """Make a larger GPU behave like one with ``budget_gib`` GiB, so "fits in 12 GB" is proven.
 
-    Uses ``torch.cuda.set_per_process_memory_fraction``: allocations beyond the cap raise
+    A real card of that size also holds the CUDA context, outside PyTorch's allocator; so the
+    allocator gets the budget less the context (measured with :func:`cuda_context_bytes`, or
+    :data:`CUDA_CONTEXT_BYTES` where nothing is measured), through
+    ``torch.cuda.set_per_process_memory_fraction``: the allocator's reservations beyond the cap raise
     ``torch.OutOfMemoryError`` exactly as on the small card. Returns a sentence saying what
-    happened; on CPU/MPS it does nothing and says so.
+    happened and how much was left for the context; on CPU/MPS it does nothing and says so.
     """
     if isinstance(budget_gib, bool) or not isinstance(budget_gib, (int, float)):
         raise TypeError(f"budget_gib must be a number of GiB such as 12, not {type(budget_gib).__name__}.")
@@ -132,14 +187,20 @@ def cap_gpu_memory(budget_gib: float) -> str:
             f"No CUDA GPU here: the {budget_gib:g} GiB cap does nothing on {device_type()}. "
             "Memory is measured by tracking tensors instead."
         )
-    total = torch.cuda.get_device_properties(0).total_memory
-    fraction = budget_gib * GIB / total
-    if fraction >= 1:
-        return (
-            f"{gpu_name()} has {total / GIB:.1f} GiB, not more than the {budget_gib:g} GiB budget: no cap needed."
-        )
+    total = int(torch.cuda.get_device_properties(0).total_memory)
+    measured = cuda_context_bytes()
+    context = measured if measured else CUDA_CONTEXT_BYTES
+    how = "measured" if measured else "assumed"
+    budget = int(budget_gib * GIB)
+    if budget >= total:
+        return f"{gpu_name()} has {total / GIB:.1f} GiB, not more than the {budget_gib:g} GiB budget: no cap needed."
+    fraction = allocator_fraction(total, budget, context)
     torch.cuda.set_per_process_memory_fraction(fraction, 0)
-    return f"Capped {gpu_name()} ({total / GIB:.1f} GiB) to {budget_gib:g} GiB ({fraction:.1%} of it)."
+    return (
+        f"Capped {gpu_name()} ({total / GIB:.1f} GiB) to {budget_gib:g} GiB: {(budget - context) / GIB:.2f} GiB "
+        f"for PyTorch's allocator ({fraction:.1%} of the card) and {context / GIB:.2f} GiB left for the CUDA "
+        f"context ({how})."
+    )
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,16 @@
 """Measure the peak memory of training code, by category, with or without a GPU.
 
 ``measure_memory(fn, model=model, optimizer=opt)`` runs ``fn()`` (one or more training steps)
-and reports the peak and what filled it::
+and reports the peak of ``fn`` itself and what filled it::
 
     params, grads, optimizer, activations, other
+
+What "peak" means, on every device
+----------------------------------
+The peak is the model's and the optimizer's state (parameters, buffers, gradients already present,
+optimizer state: counted from the start even though they were made before ``fn``) plus what ``fn``
+allocated on top of the memory that was live when it started. Tensors left alive by earlier code (a
+model from a previous notebook cell, a batch built outside ``fn``) never count.
 
 How it measures
 ---------------
@@ -11,9 +18,19 @@ Tensors are tracked as they are created and freed, with PyTorch's own ``MemTrack
 (``torch.distributed._tools.mem_tracker``): it tags each tensor as a parameter, gradient,
 optimizer state, activation (made in forward) or temporary (made in backward). That works
 on the CPU, on CUDA, and under ``FakeTensorMode``, where a model too big for the machine
-(GPT-2-XL) is "run" without allocating its memory. On CUDA the report's ``peak_bytes`` is
-the caching allocator's own ``max_memory_allocated`` (what counts for an out-of-memory
-error); the categories still come from tensor tracking.
+(GPT-2-XL) is "run" without allocating its memory. On CUDA the peak comes from the caching
+allocator's own counters, read at the start and at the end of ``fn`` and combined by
+:func:`combine_allocator_counters` (the tracked state + what ``fn`` added above the start); the
+report also gives the allocator's reserved peak and the CUDA context (from
+``torch.cuda.mem_get_info``), the two things ``nvidia-smi`` sees on top of the tensors.
+
+Allocated, reserved, and what runs out
+--------------------------------------
+``max_memory_allocated`` is the peak of live tensors. The caching allocator keeps freed blocks
+(``memory_reserved``) to reuse them. An out-of-memory error happens when a request finds no cached
+block big enough and the driver cannot give the allocator a new one: reserved memory plus the new
+request exceeds what the card has free (its memory less the CUDA context and other processes).
+So the allocated peak is a lower bound of what a step needs; fragmentation can make it fail earlier.
 
 ``MemTracker`` is a private API; everything the course uses of it lives in this file and
 ``tests/test_memory.py`` pins its behaviour.
@@ -21,11 +38,14 @@ error); the categories still come from tensor tracking.
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from torch import nn
 
+from .hardware import cuda_context_from_counters
 from .units import GIB, MIB  # noqa: F401 - re-exported: notebooks import them from here
 
 try:  # private API: wrapped here so a change upstream breaks one file, with a clear message
@@ -58,9 +78,186 @@ def format_bytes(n: float) -> str:
     return f"{n:.2f} TiB"  # pragma: no cover
 
 
+# ---------------------------------------------------------------------------------------------
+# Bytes of tensors: the one copy every module uses
+# ---------------------------------------------------------------------------------------------
+
+def storage_key(t: torch.Tensor) -> int:
+    """Identifies a tensor's storage: shared by views, distinct for fake tensors (whose data_ptr() is 0)."""
+    return t.untyped_storage()._cdata
+
+
+def tensor_bytes(*tensors: torch.Tensor) -> int:
+    """Bytes held by the given tensors' storages, each storage counted once."""
+    seen, total = set(), 0
+    for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"tensor_bytes takes tensors, not {type(t).__name__}.")
+        key = storage_key(t)
+        if key not in seen:
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
+    return total
+
+
+def iter_tensors(obj):
+    """Every tensor inside ``obj`` (a tensor, or lists, tuples, dicts and model outputs of them)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from iter_tensors(v)
+    elif isinstance(obj, dict) or (hasattr(obj, "values") and callable(obj.values)):
+        for v in obj.values():
+            yield from iter_tensors(v)
+
+
+def _state_tensors(optimizer) -> list[torch.Tensor]:
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer (bitsandbytes' optimizers are), not {type(optimizer).__name__}."
+        )
+    return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+
+
+def optimizer_state_bytes(optimizer) -> int:
+    """Bytes held by an optimizer's state tensors now, each storage counted once.
+
+    Zero before the first ``optimizer.step()`` (state is created lazily). bitsandbytes shares its
+    quantization maps between parameters; they count once. For the arithmetic (bytes for N
+    parameters of a named optimizer, without building one) see ``estimate.optimizer_state_bytes``.
+    """
+    return tensor_bytes(*_state_tensors(optimizer))
+
+
+def _training_state_bytes(model, optimizer) -> int:
+    """Parameters, buffers, gradients present and optimizer state, each storage once."""
+    tensors = []
+    if model is not None:
+        params = list(model.parameters())
+        tensors += params + list(model.buffers()) + [p.grad for p in params if p.grad is not None]
+    if optimizer is not None:
+        tensors += [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        tensors += _state_tensors(optimizer)
+    return tensor_bytes(*tensors)
+
+
+# ---------------------------------------------------------------------------------------------
+# The CUDA caching allocator's counters, and how they combine into one step's figures
+# ---------------------------------------------------------------------------------------------
+
+class CudaCounters:
+    """The CUDA caching allocator's counters for one device, behind one small object.
+
+    :func:`measure_memory` and :func:`live_bytes_over_steps` read the allocator only through an
+    object with these methods, so a test can pass a fake one with the same methods and run the
+    CUDA branch on a CPU.
+    """
+
+    def __init__(self, device=None):
+        self.device = torch.device(device if device is not None else "cuda")
+        if self.device.type != "cuda":
+            raise ValueError(f"CudaCounters reads a CUDA device, not {self.device}; on a CPU tensors are tracked instead.")
+        if not torch.cuda.is_available():
+            raise ValueError("No CUDA GPU here: there is no caching allocator to read (pass a fake counter source in tests).")
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def empty_cache(self) -> None:
+        torch.cuda.empty_cache()
+
+    def reset_peak_memory_stats(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def memory_allocated(self) -> int:
+        return int(torch.cuda.memory_allocated(self.device))
+
+    def max_memory_allocated(self) -> int:
+        return int(torch.cuda.max_memory_allocated(self.device))
+
+    def memory_reserved(self) -> int:
+        return int(torch.cuda.memory_reserved(self.device))
+
+    def max_memory_reserved(self) -> int:
+        return int(torch.cuda.max_memory_reserved(self.device))
+
+    def mem_get_info(self) -> tuple[int, int]:
+        """(free, total) bytes of the whole card, as the driver (and nvidia-smi) sees it."""
+        free, total = torch.cuda.mem_get_info(self.device)
+        return int(free), int(total)
+
+    def read(self) -> dict[str, int]:
+        """allocated, max_allocated, reserved now (bytes): the allocator's view in one dict."""
+        return {"allocated": self.memory_allocated(), "max_allocated": self.max_memory_allocated(),
+                "reserved": self.memory_reserved()}
+
+
+def _byte_count(value, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be a whole number of bytes >= 0, not {value!r}.")
+    return value
+
+
+def combine_allocator_counters(*, state_bytes: int, allocated_at_start: int, max_allocated: int,
+                               reserved_at_start: int | None = None, max_reserved: int | None = None,
+                               device_free: int | None = None, device_total: int | None = None,
+                               reserved_now: int | None = None) -> dict[str, int | None]:
+    """One step's figures from the allocator's counters (pure arithmetic, tested with numbers).
+
+    Args:
+        state_bytes: the model's and optimizer's tensors when ``fn`` started (they count in full).
+        allocated_at_start: ``memory_allocated()`` when ``fn`` started: the state plus anything
+            else alive (stale tensors from earlier cells), which is why it is subtracted.
+        max_allocated: ``max_memory_allocated()`` after ``fn``, the peak statistics having been
+            reset at the start (so it is >= ``allocated_at_start``).
+        reserved_at_start, max_reserved: the same two readings of reserved memory (optional),
+            taken after ``empty_cache()`` so that no cached free block from earlier code serves ``fn``.
+        device_free, device_total, reserved_now: ``mem_get_info()`` and ``memory_reserved()``
+            after ``fn`` (optional), for the CUDA context.
+
+    Returns ``peak_bytes`` = state + (max_allocated - allocated_at_start); ``fn_bytes`` (what ``fn``
+    added above the start); ``reserved_peak_bytes`` = state + the reserved growth, never below
+    ``peak_bytes`` (free room inside a segment that also holds older tensors can serve ``fn``
+    without new reservations, so the growth alone may read low); ``cuda_context_bytes`` (see
+    :func:`course_utils.hardware.cuda_context_from_counters`). The optional figures are None
+    when their readings are missing.
+    """
+    state_bytes = _byte_count(state_bytes, "state_bytes")
+    start = _byte_count(allocated_at_start, "allocated_at_start")
+    top = _byte_count(max_allocated, "max_allocated")
+    if top < start:
+        raise ValueError(
+            f"max_allocated ({top}) is below allocated_at_start ({start}): reset the peak statistics "
+            "(reset_peak_memory_stats) at the start, and read max_memory_allocated() after fn."
+        )
+    fn_bytes = top - start
+    peak = state_bytes + fn_bytes
+    reserved_peak = None
+    if (reserved_at_start is None) != (max_reserved is None):
+        raise ValueError("Pass both reserved_at_start and max_reserved, or neither.")
+    if max_reserved is not None:
+        r_start = _byte_count(reserved_at_start, "reserved_at_start")
+        r_top = _byte_count(max_reserved, "max_reserved")
+        if r_top < r_start:
+            raise ValueError(f"max_reserved ({r_top}) is below reserved_at_start ({r_start}): read them in that order.")
+        reserved_peak = max(peak, state_bytes + r_top - r_start)
+    context = None
+    if device_free is not None or device_total is not None or reserved_now is not None:
+        if None in (device_free, device_total, reserved_now):
+            raise ValueError("Pass device_free, device_total and reserved_now together (mem_get_info() and memory_reserved()).")
+        context = cuda_context_from_counters(device_free, device_total, reserved_now)
+    return {"peak_bytes": peak, "fn_bytes": fn_bytes, "reserved_peak_bytes": reserved_peak,
+            "cuda_context_bytes": context}
+
+
+# ---------------------------------------------------------------------------------------------
+# The report
+# ---------------------------------------------------------------------------------------------
+
 @dataclass
 class MemoryReport:
-    """What :func:`measure_memory` found. Byte counts are ints."""
+    """What :func:`measure_memory` found. Byte counts are ints; the CUDA-only fields are None elsewhere."""
 
     peak_bytes: int
     by_category: dict[str, int]
@@ -70,6 +267,9 @@ class MemoryReport:
     tracked_peak_bytes: int = 0  # peak seen by tensor tracking (== peak_bytes off CUDA)
     fake: bool = False
     notes: list[str] = field(default_factory=list)
+    reserved_peak_bytes: int | None = None  # the caching allocator's reserved peak for fn (CUDA)
+    cuda_context_bytes: int | None = None  # the card's use outside the allocator (CUDA; see combine_allocator_counters)
+    allocator_readings: dict[str, int] | None = None  # the raw counters combine_allocator_counters combined (CUDA)
 
     @property
     def peak_mib(self) -> float:
@@ -78,6 +278,13 @@ class MemoryReport:
     @property
     def peak_gib(self) -> float:
         return self.peak_bytes / GIB
+
+    @property
+    def card_bytes(self) -> int | None:
+        """Reserved peak + CUDA context: what nvidia-smi would show were fn alone on the card (CUDA only)."""
+        if self.reserved_peak_bytes is None or self.cuda_context_bytes is None:
+            return None
+        return self.reserved_peak_bytes + self.cuda_context_bytes
 
     def to_frame(self):
         """A pandas DataFrame (category, bytes, MiB, share) for tables and seaborn plots."""
@@ -90,6 +297,14 @@ class MemoryReport:
         ]
         return pd.DataFrame(rows)
 
+    def _allocator_lines(self) -> list[str]:
+        lines = []
+        if self.reserved_peak_bytes is not None:
+            lines.append(f"  reserved by the allocator at the peak: {format_bytes(self.reserved_peak_bytes)}")
+        if self.cuda_context_bytes is not None:
+            lines.append(f"  CUDA context (outside the allocator): {format_bytes(self.cuda_context_bytes)}")
+        return lines
+
     def __str__(self) -> str:
         width = max(len(c) for c in CATEGORIES)
         total = max(sum(self.by_category.values()), 1)
@@ -97,6 +312,7 @@ class MemoryReport:
         for cat in CATEGORIES:
             value = self.by_category.get(cat, 0)
             lines.append(f"  {cat:<{width}}  {format_bytes(value):>12}  {value / total:6.1%}")
+        lines += self._allocator_lines()
         for note in self.notes:
             lines.append(f"  note: {note}")
         return "\n".join(lines)
@@ -108,11 +324,16 @@ class MemoryReport:
             f"<tr><td>{c}</td><td style='text-align:right'>{format_bytes(self.by_category.get(c, 0))}</td></tr>"
             for c in CATEGORIES
         )
+        extra = "".join(f"<br>{line.strip()}" for line in self._allocator_lines())
         return (
             f"<b>Peak memory on {self.device}{' (fake tensors)' if self.fake else ''}: "
-            f"{format_bytes(self.peak_bytes)}</b><table>{rows}</table>"
+            f"{format_bytes(self.peak_bytes)}</b><table>{rows}</table>{extra}"
         )
 
+
+# ---------------------------------------------------------------------------------------------
+# Tensor tracking
+# ---------------------------------------------------------------------------------------------
 
 class _MultiStepMemTracker(MemTracker if MemTracker is not None else object):
     """MemTracker that accepts several training steps in one context.
@@ -140,15 +361,13 @@ class _MultiStepMemTracker(MemTracker if MemTracker is not None else object):
                 self._peak_mem_snap[dev] = dict(dev_snap)
 
 
-def _optimizer_state_bytes(optimizer) -> int:
-    if optimizer is None:
-        return 0
-    return tensor_bytes(*(v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)))
-
-
-def storage_key(t: torch.Tensor) -> int:
-    """Identifies a tensor's storage: shared by views, distinct for fake tensors (whose data_ptr() is 0)."""
-    return t.untyped_storage()._cdata
+def _new_tracker():
+    if MemTracker is None:  # pragma: no cover
+        raise RuntimeError(
+            f"This torch ({torch.__version__}) has no torch.distributed._tools.mem_tracker ({_IMPORT_ERROR}); "
+            "install the course's torch (requirements.txt)."
+        )
+    return _MultiStepMemTracker()
 
 
 def _is_fake(t) -> bool:
@@ -157,7 +376,7 @@ def _is_fake(t) -> bool:
     return isinstance(t, FakeTensor)
 
 
-def _check_args(fn, model, optimizer) -> None:
+def _check_args(fn, model, optimizer, counters) -> None:
     if not callable(fn):
         raise TypeError(
             f"fn must be a zero-argument callable (e.g. `lambda: train_step(batch)` or a def), "
@@ -169,6 +388,22 @@ def _check_args(fn, model, optimizer) -> None:
         raise TypeError(
             f"optimizer must be a torch.optim.Optimizer (bitsandbytes' optimizers are), not {type(optimizer).__name__}."
         )
+    _check_counters(counters)
+
+
+_COUNTER_METHODS = ("synchronize", "empty_cache", "reset_peak_memory_stats", "memory_allocated",
+                    "max_memory_allocated", "memory_reserved", "max_memory_reserved", "mem_get_info")
+
+
+def _check_counters(counters) -> None:
+    if counters is None:
+        return
+    missing = [m for m in _COUNTER_METHODS if not callable(getattr(counters, m, None))]
+    if missing:
+        raise TypeError(
+            f"counters must be a counter source such as memory.CudaCounters('cuda'); "
+            f"{type(counters).__name__} lacks {', '.join(missing)}."
+        )
 
 
 def _model_device(model, optimizer) -> torch.device:
@@ -179,7 +414,7 @@ def _model_device(model, optimizer) -> torch.device:
     return torch.device("cpu")
 
 
-def measure_memory(fn, *, model: nn.Module | None = None, optimizer=None) -> MemoryReport:
+def measure_memory(fn, *, model: nn.Module | None = None, optimizer=None, counters=None) -> MemoryReport:
     """Run ``fn()`` and report its peak memory and what filled it.
 
     Args:
@@ -187,31 +422,36 @@ def measure_memory(fn, *, model: nn.Module | None = None, optimizer=None) -> Mem
         model: the model ``fn`` trains; its parameters (and gradients already present) count
             from the start, even though they were created before ``fn``.
         optimizer: its state counts from the start too (after a first step it already exists).
+        counters: where the allocator's counters come from. Default: :class:`CudaCounters` when
+            the model is on a CUDA GPU (real tensors), otherwise none (tensor tracking only).
+            A test passes a fake source with the same methods to run the CUDA branch on a CPU.
 
-    Tensors created before the call and not reachable from ``model``/``optimizer`` (a batch
-    you built outside ``fn``, say) are not counted: build inputs inside ``fn`` to count them.
+    The peak is the model's and optimizer's state plus what ``fn`` allocated above the memory
+    live when it started, on every device: tensors alive from earlier code, and not reachable from
+    ``model``/``optimizer``, never count (a batch built outside ``fn`` neither: build inputs
+    inside ``fn`` to count them). On CUDA the report adds the reserved peak and the CUDA context.
     """
-    _check_args(fn, model, optimizer)
-    if MemTracker is None:  # pragma: no cover
-        raise RuntimeError(
-            f"This torch ({torch.__version__}) has no torch.distributed._tools.mem_tracker ({_IMPORT_ERROR}); "
-            "install the course's torch (requirements.txt)."
-        )
+    _check_args(fn, model, optimizer, counters)
     device = _model_device(model, optimizer)
-    tracker = _MultiStepMemTracker()
+    tracker = _new_tracker()
     tracker.track_external(*(obj for obj in (model, optimizer) if obj is not None))
     fake = any(_is_fake(p) for p in (model.parameters() if model is not None else []))
+    if counters is None and device.type == "cuda" and not fake and torch.cuda.is_available():
+        counters = CudaCounters(device)
 
-    use_cuda_allocator = device.type == "cuda" and not fake and torch.cuda.is_available()
-    if use_cuda_allocator:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
+    state_at_start = _training_state_bytes(model, optimizer)
+    if counters is not None:
+        counters.synchronize()
+        counters.empty_cache()  # cached free blocks from earlier code must not serve fn
+        counters.reset_peak_memory_stats()
+        allocated_at_start = counters.memory_allocated()
+        reserved_at_start = counters.memory_reserved()
 
     start = time.perf_counter()
     with tracker:
         fn()
-    if use_cuda_allocator:
-        torch.cuda.synchronize()
+    if counters is not None:
+        counters.synchronize()
     seconds = time.perf_counter() - start
 
     snapshots = tracker.get_tracker_snapshot("peak")
@@ -226,7 +466,7 @@ def measure_memory(fn, *, model: nn.Module | None = None, optimizer=None) -> Mem
     # Tensors allocated inside optimizer.step() are tagged as optimizer state by MemTracker,
     # including the step's temporaries (foreach Adam builds whole-model scratch tensors).
     # Keep as "optimizer" no more than the state the optimizer really holds; the rest is "other".
-    state_bytes = _optimizer_state_bytes(optimizer)
+    state_bytes = optimizer_state_bytes(optimizer) if optimizer is not None else 0
     notes = []
     if optimizer is not None and by_category["optimizer"] > state_bytes:
         extra = by_category["optimizer"] - state_bytes
@@ -234,14 +474,18 @@ def measure_memory(fn, *, model: nn.Module | None = None, optimizer=None) -> Mem
         by_category["other"] += extra
         notes.append(f"{format_bytes(extra)} of optimizer-step temporaries counted as 'other'")
 
-    peak = tracked_peak
-    if use_cuda_allocator:
-        peak = int(torch.cuda.max_memory_allocated())
-        notes.append(
-            f"peak from the CUDA caching allocator; tensor tracking saw {format_bytes(tracked_peak)}"
-        )
+    figures = {"peak_bytes": tracked_peak, "reserved_peak_bytes": None, "cuda_context_bytes": None}
+    readings = None
+    if counters is not None:
+        free, total = counters.mem_get_info()
+        readings = {"allocated_at_start": allocated_at_start, "max_allocated": counters.max_memory_allocated(),
+                    "reserved_at_start": reserved_at_start, "max_reserved": counters.max_memory_reserved(),
+                    "device_free": int(free), "device_total": int(total), "reserved_now": counters.memory_reserved()}
+        figures = combine_allocator_counters(state_bytes=state_at_start, **readings)
+        notes.append(f"peak from the caching allocator's counters (state + what fn added); "
+                     f"tensor tracking saw {format_bytes(tracked_peak)}")
     return MemoryReport(
-        peak_bytes=peak,
+        peak_bytes=figures["peak_bytes"],
         by_category=by_category,
         device=str(device),
         seconds=seconds,
@@ -249,6 +493,9 @@ def measure_memory(fn, *, model: nn.Module | None = None, optimizer=None) -> Mem
         tracked_peak_bytes=tracked_peak,
         fake=fake,
         notes=notes,
+        reserved_peak_bytes=figures["reserved_peak_bytes"],
+        cuda_context_bytes=figures["cuda_context_bytes"],
+        allocator_readings=readings,
     )
 
 
@@ -262,14 +509,82 @@ def _pick_device_snapshot(snapshots: dict, device: torch.device) -> dict:
     return max(snapshots.values(), key=lambda s: s.get("Total", 0))
 
 
-def tensor_bytes(*tensors: torch.Tensor) -> int:
-    """Bytes held by the given tensors' storages, each storage counted once."""
-    seen, total = set(), 0
-    for t in tensors:
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"tensor_bytes takes tensors, not {type(t).__name__}.")
+def live_bytes_over_steps(step: Callable[[int], object], n_steps: int, *, device=None, counters=None) -> list[int]:
+    """Run ``step(i)`` for i in range(n_steps); return the bytes still alive after each step.
+
+    Counts what the steps created and still hold, not what was alive before (the model's
+    parameters), so a flat line means "no leak" and a rising line is memory held across steps.
+    On CUDA (or with ``counters``) it is the allocator's ``memory_allocated()`` minus its value
+    before the first step; elsewhere each storage the steps create is tracked until it is freed.
+    Whatever ``step``
+    returns is dropped at once.
+    """
+    if not callable(step):
+        raise TypeError(f"step must be a function of the step index, e.g. `def step(i): ...`, not {type(step).__name__}.")
+    if isinstance(n_steps, bool) or not isinstance(n_steps, int) or n_steps <= 0:
+        raise ValueError(f"n_steps must be a positive integer, not {n_steps!r}.")
+    _check_counters(counters)
+    if counters is None and device is not None and torch.device(device).type == "cuda" and torch.cuda.is_available():
+        counters = CudaCounters(device)
+    series = []
+    if counters is not None:
+        counters.synchronize()
+        base = counters.memory_allocated()
+        for i in range(n_steps):
+            step(i)
+            counters.synchronize()
+            series.append(counters.memory_allocated() - base)
+        return series
+    tracker = _LiveBytes()
+    with tracker:
+        for i in range(n_steps):
+            step(i)
+            series.append(tracker.current)
+    return series
+
+
+class _LiveBytes:
+    """Counts the bytes of storages created while active and still alive (CPU or fake tensors).
+
+    Storages that existed before (weights seen through a view such as ``weight.t()``) are left out.
+    ``MemTracker`` is not used here: its module hooks keep the last forward's graph alive when no
+    backward runs, which would fake a leak in an evaluation loop.
+    """
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_flatten
+
+        tracker = self
+        self.current = 0
+        self._live: dict[int, int] = {}
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                older = {storage_key(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+                for t in tree_flatten(out)[0]:
+                    if isinstance(t, torch.Tensor) and storage_key(t) not in older:
+                        tracker._add(t)
+                return out
+
+        self._mode = _Mode()
+
+    def __enter__(self):
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._mode.__exit__(*exc)
+
+    def _add(self, t: torch.Tensor) -> None:
         key = storage_key(t)
-        if key not in seen:
-            seen.add(key)
-            total += t.untyped_storage().nbytes()
-    return total
+        if key in self._live:
+            return
+        storage = t.untyped_storage()
+        self._live[key] = storage.nbytes()
+        self.current += storage.nbytes()
+        weakref.finalize(storage, self._free, key)
+
+    def _free(self, key: int) -> None:
+        self.current -= self._live.pop(key, 0)

@@ -1,7 +1,12 @@
-"""Tests of course_utils.accounting (notebook 01's helpers). Small models only: the file runs in seconds."""
+"""Tests of course_utils.accounting (notebook 01's helpers) and of the saved-tensor hook that notebook 01
+writes in a cell (the notebook's own code is run here). Small models only: the file runs in seconds."""
 from __future__ import annotations
 
+import json
 import shutil
+from pathlib import Path
+
+import pandas as pd
 
 import pytest
 import torch
@@ -9,7 +14,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from course_utils import accounting as A
-from course_utils.memory import MIB, measure_memory
+from course_utils.memory import MIB, measure_memory, optimizer_state_bytes, storage_key, tensor_bytes
+
+NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "01_memory_accounting.ipynb"
 
 
 def _mlp(width=32, inplace=False):
@@ -64,16 +71,6 @@ def test_gpu_monitor_rejects_bad_timeout():
         A.gpu_monitor(timeout_s=0)
 
 
-def test_torch_memory_view_cpu_and_bad_device():
-    view = A.torch_memory_view("cpu")
-    assert view["device"] == "cpu" and view["rss"] > 0
-    with pytest.raises(ValueError, match="device"):
-        A.torch_memory_view("not-a-device")
-    if not torch.cuda.is_available():
-        with pytest.raises(ValueError, match="no CUDA GPU"):
-            A.torch_memory_view("cuda")
-
-
 # ---------------------------------------------------------------- state and the n rule
 
 @pytest.mark.parametrize("name,opt,n", [
@@ -81,13 +78,15 @@ def test_torch_memory_view_cpu_and_bad_device():
     ("sgd_momentum", lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), 3),
     ("adam", lambda p: torch.optim.Adam(p), 4),
 ])
-def test_state_bytes_matches_the_seed_rule(name, opt, n):
+def test_measured_state_matches_the_article_rule(name, opt, n):
     model = _mlp()
     optimizer = opt(model.parameters())
     F.cross_entropy(model(torch.randn(8, 16)), torch.randint(0, 4, (8,))).backward()
     optimizer.step()
-    state = A.state_bytes(model, optimizer)
-    n_params = sum(p.numel() for p in model.parameters())
+    params = list(model.parameters())
+    state = {"params": tensor_bytes(*params), "grads": tensor_bytes(*(p.grad for p in params)),
+             "optimizer": optimizer_state_bytes(optimizer)}  # as notebook 01 counts them
+    n_params = sum(p.numel() for p in params)
     assert state["params"] == 4 * n_params
     assert state["grads"] == 4 * n_params
     assert A.seed_multiplier(name) == n
@@ -96,16 +95,7 @@ def test_state_bytes_matches_the_seed_rule(name, opt, n):
     assert state["optimizer"] == (n - 2) * 4 * n_params + extra
 
 
-def test_state_bytes_without_optimizer_and_grads():
-    model = _mlp()
-    assert A.state_bytes(model) == {"params": 4 * sum(p.numel() for p in model.parameters()), "grads": 0, "optimizer": 0}
-
-
-def test_state_bytes_and_seed_multiplier_reject_bad_input():
-    with pytest.raises(TypeError, match="nn.Module"):
-        A.state_bytes("model")
-    with pytest.raises(TypeError, match="Optimizer"):
-        A.state_bytes(_mlp(), optimizer="adam")
+def test_seed_multiplier_rejects_bad_input():
     with pytest.raises(ValueError, match="Unknown optimizer"):
         A.seed_multiplier("lion")
     with pytest.raises(ValueError, match="notebook 05"):
@@ -138,22 +128,38 @@ def test_modelsize_rejects_what_it_cannot_follow():
         A.modelsize(nn.Sequential(nn.Sequential(nn.Linear(16, 4))), torch.randn(2, 16))
 
 
-def test_saved_tensors_differ_from_module_outputs():
+def _notebook_function(name: str):
+    """The function ``name`` as notebook 01 defines it in a cell (the lesson's own code, not a copy)."""
+    cells = json.loads(NOTEBOOK.read_text())["cells"]
+    sources = ["".join(c["source"]) for c in cells if c["cell_type"] == "code"]
+    (source,) = [src for src in sources if f"def {name}(" in src]
+    namespace = {"torch": torch, "pd": pd, "storage_key": storage_key}
+    exec(compile(source, f"{NOTEBOOK.name}:{name}", "exec"), namespace)
+    return namespace[name]
+
+
+def test_notebook_hook_sees_what_autograd_saves_not_module_outputs():
+    saved_by_autograd = _notebook_function("saved_by_autograd")
     model = _mlp(width=32)
     x = torch.randn(5, 16)
     total, frame = A.module_output_bytes(model, x)
     assert total == A.modelsize(model, x).outputs_bytes and len(frame) == 6
-    saved = A.saved_tensors_by_op(model(x), exclude=model.parameters())
-    # each Linear saves its input (x: 5x16, then the two ReLU outputs: 5x32), once each
+    out, saved = saved_by_autograd(lambda: model(x), model.parameters())
+    assert out.shape == (5, 4)
+    # each Linear saves its input (x: 5x16, then the two ReLU outputs: 5x32), once each; ReLU saves its output
     assert int(saved.bytes.sum()) == 4 * 5 * (16 + 32 + 32)
-    assert set(saved.op) <= {"Addmm", "Relu", "T", "View"}
+    assert list(saved.made_by) == ["(input or mask: no graph)", "Relu", "Relu"]
     # in-place ReLU: the article's count drops, autograd saves the same bytes
     inplace = _mlp(width=32, inplace=True)
-    assert int(A.saved_tensors_by_op(inplace(x.clone()), exclude=inplace.parameters()).bytes.sum()) == int(saved.bytes.sum())
+    assert int(saved_by_autograd(lambda: inplace(x.clone()), inplace.parameters())[1].bytes.sum()) == int(saved.bytes.sum())
     assert A.module_output_bytes(inplace, x)[0] < total
+    # without leaving the parameters out, the weights (saved by each Linear) appear too
+    assert int(saved_by_autograd(lambda: model(x))[1].bytes.sum()) > int(saved.bytes.sum())
 
 
 def test_functional_ops_are_invisible_to_the_module_count():
+    saved_by_autograd = _notebook_function("saved_by_autograd")
+
     class Res(nn.Module):
         def __init__(self):
             super().__init__()
@@ -165,22 +171,8 @@ def test_functional_ops_are_invisible_to_the_module_count():
     model, x = Res(), torch.randn(4, 8)
     total, frame = A.module_output_bytes(model, x)
     assert total == 4 * 4 * 8 and list(frame.type) == ["Linear"]
-    saved = A.saved_tensors_by_op(model(x), exclude=model.parameters())
-    assert "Relu" in set(saved.op)  # F.relu's result: no module's output
-
-
-def test_saved_tensors_by_op_rejects_bad_input():
-    with pytest.raises(TypeError, match="tensor"):
-        A.saved_tensors_by_op([1.0])
-    with torch.no_grad():
-        out = _mlp()(torch.randn(2, 16))
-    with pytest.raises(ValueError, match="no autograd graph"):
-        A.saved_tensors_by_op(out)
-    model = _mlp()
-    out = model(torch.randn(2, 16)).sum()
-    out.backward()
-    with pytest.raises(ValueError, match="already freed"):
-        A.saved_tensors_by_op(out, exclude=model.parameters())
+    _, saved = saved_by_autograd(lambda: model(x), model.parameters())
+    assert "Relu" in set(saved.made_by)  # F.relu's result: no module's output
 
 
 def test_module_output_bytes_rejects_bad_input():
@@ -188,39 +180,6 @@ def test_module_output_bytes_rejects_bad_input():
         A.module_output_bytes(lambda x: x, torch.randn(2))
     with pytest.raises(ValueError, match="example input"):
         A.module_output_bytes(_mlp())
-
-
-# ---------------------------------------------------------------- live bytes (the loss leak)
-
-def test_live_bytes_over_steps_sees_a_leak_and_a_flat_line():
-    model = _mlp(width=64)
-    totals = {"leak": 0.0, "item": 0.0}
-
-    def make_step(kind):
-        def step(i):
-            loss = F.cross_entropy(model(torch.randn(32, 16)), torch.randint(0, 4, (32,)))
-            totals[kind] = totals[kind] + (loss if kind == "leak" else loss.item())
-        return step
-
-    leak = A.live_bytes_over_steps(make_step("leak"), 4)
-    flat = A.live_bytes_over_steps(make_step("item"), 4)
-    per_step = [b - a for a, b in zip(leak, leak[1:])]
-    assert len(set(per_step)) == 1 and per_step[0] >= 4 * 32 * (16 + 64 + 64)  # at least the saved inputs
-    assert flat[-1] == flat[0]
-
-
-def test_live_bytes_counts_exact_sizes_and_frees():
-    kept = []
-    series = A.live_bytes_over_steps(lambda i: kept.append(torch.zeros(256)), 3)
-    assert series == [1024, 2048, 3072]
-    assert A.live_bytes_over_steps(lambda i: torch.zeros(256), 3) == [0, 0, 0]
-
-
-def test_live_bytes_rejects_bad_input():
-    with pytest.raises(TypeError, match="function"):
-        A.live_bytes_over_steps(3, 2)
-    with pytest.raises(ValueError, match="n_steps"):
-        A.live_bytes_over_steps(lambda i: None, 0)
 
 
 # ---------------------------------------------------------------- largest batch

@@ -53,6 +53,28 @@ def test_activation_bytes_counts_saved_tensors_not_parameters():
     assert estimate.activation_bytes(lin, x) == 8 * 100 * 4 + 8 * 50 * 4
 
 
+def test_saved_bytes_by_module_attributes_each_storage_to_its_first_saver():
+    import torch.nn.functional as F
+
+    model = nn.Sequential(nn.Flatten(), nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+    x = torch.randn(5, 16)
+    # Linear "1" saves its input; each ReLU its output, which the next Linear saves again (counted once);
+    # the weights (saved by the Linears) are parameters, not activations
+    by_module = estimate.saved_bytes_by_module(model, x)
+    assert by_module == {"1": 5 * 16 * 4, "2": 5 * 32 * 4, "4": 5 * 32 * 4}
+    assert sum(by_module.values()) + 5 * 4 * 4 == estimate.activation_bytes(model, x)  # + the output
+
+    class Res(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return (x * 2) + F.relu(self.fc(x))  # ops outside modules: F.relu joins fc, x * 2 saves nothing
+
+    assert estimate.saved_bytes_by_module(Res(), torch.randn(4, 8)) == {"fc": 4 * 8 * 4 * 2}  # fc's input, relu's output
+
+
 def _measure_step(model, opt, inputs, loss_of):
     def step():
         loss_of(model(**inputs) if isinstance(inputs, dict) else model(inputs)).backward()

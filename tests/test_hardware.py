@@ -49,7 +49,8 @@ def test_cap_gpu_memory_says_it_does_nothing_on_cpu():
 def test_cap_gpu_memory_caps_a_large_gpu():
     total_gib = torch.cuda.get_device_properties(0).total_memory / hardware.GIB
     budget = min(2.0, total_gib / 2)
-    print(hardware.cap_gpu_memory(budget))
+    message = hardware.cap_gpu_memory(budget)
+    assert "left for the CUDA context (measured)" in message
     with pytest.raises(torch.OutOfMemoryError):
         torch.empty(int((budget + 0.5) * hardware.GIB), dtype=torch.uint8, device="cuda")
     torch.cuda.set_per_process_memory_fraction(1.0, 0)
@@ -59,6 +60,74 @@ def test_cap_gpu_memory_caps_a_large_gpu():
 def test_cap_gpu_memory_bad_input(bad, error):
     with pytest.raises(error, match="budget"):
         hardware.cap_gpu_memory(bad)
+
+
+def test_allocator_fraction_leaves_room_for_the_context():
+    total, context = 80 * hardware.GIB, 512 * hardware.MIB
+    fraction = hardware.allocator_fraction(total, 12 * hardware.GIB, context)
+    assert fraction * total + context == 12 * hardware.GIB
+    assert hardware.allocator_fraction(8 * hardware.GIB, 12 * hardware.GIB, context) == 1.0  # a small card: no cap
+    with pytest.raises(ValueError, match="leaves nothing for tensors"):
+        hardware.allocator_fraction(total, 256 * hardware.MIB, context)
+    with pytest.raises(ValueError, match="context_bytes"):
+        hardware.allocator_fraction(total, 12 * hardware.GIB, -1)
+    with pytest.raises(ValueError, match="total_bytes is 0"):
+        hardware.allocator_fraction(0, 12 * hardware.GIB, context)
+
+
+def test_cuda_context_from_counters_and_a_fake_counter_source():
+    gib = hardware.GIB
+    assert hardware.cuda_context_from_counters(70 * gib, 80 * gib, 9 * gib) == 1 * gib
+    assert hardware.cuda_context_from_counters(75 * gib, 80 * gib, 6 * gib) == 0  # never below 0
+    with pytest.raises(ValueError, match="exceeds"):
+        hardware.cuda_context_from_counters(90 * gib, 80 * gib, 0)
+    with pytest.raises(ValueError, match="reserved"):
+        hardware.cuda_context_from_counters(1, 2, -3)
+
+    class Counters:  # what a card with 300 MiB of context and 2 GiB reserved reports
+        def mem_get_info(self):
+            return 16 * gib - 2 * gib - 300 * hardware.MIB, 16 * gib
+
+        def memory_reserved(self):
+            return 2 * gib
+
+    assert hardware.cuda_context_bytes(Counters()) == 300 * hardware.MIB
+    if not torch.cuda.is_available():
+        assert hardware.cuda_context_bytes() is None
+
+
+def test_cap_gpu_memory_cuda_branch_with_a_pretend_card(monkeypatch):
+    fractions = []
+
+    class Props:
+        total_memory = 80 * hardware.GIB
+
+    monkeypatch.setattr(hardware.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(hardware.torch.cuda, "get_device_properties", lambda i: Props())
+    monkeypatch.setattr(hardware.torch.cuda, "set_per_process_memory_fraction", lambda f, i: fractions.append(f))
+    monkeypatch.setattr(hardware, "gpu_name", lambda: "Pretend GPU")
+    monkeypatch.setattr(hardware, "cuda_context_bytes", lambda: 400 * hardware.MIB)
+    message = hardware.cap_gpu_memory(12)
+    assert fractions == [pytest.approx((12 * hardware.GIB - 400 * hardware.MIB) / (80 * hardware.GIB))]
+    assert "0.39 GiB left for the CUDA context (measured)" in message and "11.61 GiB" in message
+    monkeypatch.setattr(hardware, "cuda_context_bytes", lambda: None)
+    assert "0.50 GiB left for the CUDA context (assumed)" in hardware.cap_gpu_memory(12)
+    assert "no cap needed" in hardware.cap_gpu_memory(100) and len(fractions) == 2
+
+
+def test_gpu_bytes_needed_adds_reserve_and_context():
+    tensors = 10 * hardware.GIB
+    expected = tensors + round(hardware.ALLOCATOR_RESERVE_FRACTION * tensors) + hardware.CUDA_CONTEXT_BYTES
+    assert hardware.gpu_bytes_needed(tensors) == expected
+    assert hardware.gpu_bytes_needed(1000, context_bytes=0, reserve_fraction=0.0) == 1000
+    assert hardware.gpu_bytes_needed(0) == hardware.CUDA_CONTEXT_BYTES
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="tensor_peak_bytes"):
+            hardware.gpu_bytes_needed(bad)
+    with pytest.raises(ValueError, match="reserve_fraction"):
+        hardware.gpu_bytes_needed(1, reserve_fraction=1.0)
+    with pytest.raises(ValueError, match="context_bytes"):
+        hardware.gpu_bytes_needed(1, context_bytes=-5)
 
 
 def test_banner_has_device_memory_profile_versions(monkeypatch):

@@ -1,10 +1,16 @@
-"""course_utils.memory: exact byte counts on known tensors and models, fake tensors, bad input."""
+"""course_utils.memory: exact byte counts on known tensors and models, fake tensors, the allocator
+branch on a CPU (a fake counter source), stale tensors, live bytes over steps, bad input."""
+import math
+
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from course_utils import models
-from course_utils.memory import MemoryReport, format_bytes, measure_memory, tensor_bytes
+from course_utils.memory import (GIB, MIB, CudaCounters, MemoryReport, combine_allocator_counters, format_bytes,
+                                 iter_tensors, live_bytes_over_steps, measure_memory, optimizer_state_bytes,
+                                 tensor_bytes)
 
 
 def _mlp_and_adam():
@@ -131,3 +137,230 @@ def test_bad_input_says_what_to_change(kwargs, error, match):
     fn = kwargs.pop("fn")
     with pytest.raises(error, match=match):
         measure_memory(fn, **kwargs)
+
+
+# ---------------------------------------------------------------- one meaning of "peak"
+
+def _figures(report):
+    """Every figure of a report but the run time."""
+    return (report.peak_bytes, report.by_category, report.tracked_peak_bytes, report.optimizer_state_bytes,
+            report.reserved_peak_bytes, report.cuda_context_bytes, report.device, report.fake, report.notes)
+
+
+def test_a_stale_model_kept_alive_outside_fn_changes_no_figure():
+    model, opt = _mlp_and_adam()
+    _train_step(model, opt)  # Adam's state exists
+    alone = measure_memory(lambda: _train_step(model, opt), model=model, optimizer=opt)
+    stale, stale_opt = models.mlp(n_layers=3, width=512, in_features=64, n_classes=10), None
+    stale_opt = torch.optim.Adam(stale.parameters())
+    _train_step(stale, stale_opt)  # ~12 MiB of weights, gradients and Adam state, alive outside fn
+    assert tensor_bytes(*stale.parameters()) + optimizer_state_bytes(stale_opt) > 10 * alone.peak_bytes
+    with_stale = measure_memory(lambda: _train_step(model, opt), model=model, optimizer=opt)
+    assert _figures(with_stale) == _figures(alone)
+
+
+class FakeAllocator:
+    """Stands in for torch.cuda's counters on a CPU: allocate()/free() move 'allocated'; reserved grows
+    in whole 2 MiB segments and keeps freed bytes cached until empty_cache(), as the caching allocator does."""
+
+    SEGMENT = 2 * MIB
+
+    def __init__(self, total=16 * GIB, context=300 * MIB):
+        self.total, self.context = total, context
+        self.allocated = self.max_allocated = self.reserved = self.max_reserved = 0
+        self.calls = []
+
+    def _segments(self, n):
+        return math.ceil(n / self.SEGMENT) * self.SEGMENT
+
+    def allocate(self, n):
+        self.allocated += n
+        self.max_allocated = max(self.max_allocated, self.allocated)
+        if self.allocated > self.reserved:
+            self.reserved = self._segments(self.allocated)
+            self.max_reserved = max(self.max_reserved, self.reserved)
+
+    def free(self, n):
+        self.allocated -= n
+
+    def synchronize(self):
+        self.calls.append("synchronize")
+
+    def empty_cache(self):
+        self.calls.append("empty_cache")
+        self.reserved = self._segments(self.allocated)
+
+    def reset_peak_memory_stats(self):
+        self.calls.append("reset")
+        self.max_allocated, self.max_reserved = self.allocated, self.reserved
+
+    def memory_allocated(self):
+        return self.allocated
+
+    def max_memory_allocated(self):
+        return self.max_allocated
+
+    def memory_reserved(self):
+        return self.reserved
+
+    def max_memory_reserved(self):
+        return self.max_reserved
+
+    def mem_get_info(self):
+        return self.total - self.context - self.reserved, self.total
+
+
+def test_allocator_branch_runs_on_a_cpu_with_a_fake_counter_source():
+    model, opt = _mlp_and_adam()
+    _train_step(model, opt)
+    state = tensor_bytes(*model.parameters()) + optimizer_state_bytes(opt)
+
+    def measure(stale_bytes):
+        fake = FakeAllocator()
+        fake.allocate(state)
+        fake.allocate(stale_bytes)  # tensors of earlier cells: counted by the allocator, not by the report
+        fake.allocate(64 * MIB)
+        fake.free(64 * MIB)  # a cached block from earlier code: empty_cache() drops it before fn
+
+        def fn():
+            _train_step(model, opt)
+            fake.allocate(40 * MIB)  # what the step adds on the "GPU"
+            fake.free(40 * MIB)
+
+        return fake, measure_memory(fn, model=model, optimizer=opt, counters=fake)
+
+    fake, report = measure(stale_bytes=0)
+    assert fake.calls[:3] == ["synchronize", "empty_cache", "reset"]
+    assert report.peak_bytes == state + 40 * MIB
+    assert report.reserved_peak_bytes >= report.peak_bytes
+    assert report.cuda_context_bytes == 300 * MIB
+    assert report.card_bytes == report.reserved_peak_bytes + 300 * MIB
+    assert combine_allocator_counters(state_bytes=state, **report.allocator_readings)["peak_bytes"] == report.peak_bytes
+    assert "caching allocator" in str(report) and "CUDA context" in str(report)
+    _, stale_report = measure(stale_bytes=3 * GIB)
+    assert (stale_report.peak_bytes, stale_report.cuda_context_bytes) == (report.peak_bytes, report.cuda_context_bytes)
+    assert stale_report.reserved_peak_bytes - report.reserved_peak_bytes < FakeAllocator.SEGMENT  # segment rounding only
+
+
+def test_off_cuda_the_allocator_fields_are_none():
+    model, opt = _mlp_and_adam()
+    report = measure_memory(lambda: _train_step(model, opt), model=model, optimizer=opt)
+    assert report.reserved_peak_bytes is None and report.cuda_context_bytes is None and report.card_bytes is None
+    assert report.allocator_readings is None
+    assert report.peak_bytes == report.tracked_peak_bytes
+
+
+def test_combine_allocator_counters_with_numbers():
+    figures = combine_allocator_counters(state_bytes=100, allocated_at_start=1100, max_allocated=1600,
+                                         reserved_at_start=2048, max_reserved=2560,
+                                         device_free=10_000, device_total=16_000, reserved_now=2048)
+    assert figures == {"peak_bytes": 600, "fn_bytes": 500, "reserved_peak_bytes": 612, "cuda_context_bytes": 3952}
+    # stale bytes raise both readings alike and cancel
+    assert combine_allocator_counters(state_bytes=100, allocated_at_start=9100, max_allocated=9600)["peak_bytes"] == 600
+    # reserved growth below the allocated growth (free room in an old segment served fn): never below the peak
+    low = combine_allocator_counters(state_bytes=100, allocated_at_start=1100, max_allocated=1600,
+                                     reserved_at_start=4096, max_reserved=4096)
+    assert low["reserved_peak_bytes"] == low["peak_bytes"] == 600 and low["cuda_context_bytes"] is None
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(allocated_at_start=10, max_allocated=5), "reset_peak_memory_stats"),
+    (dict(allocated_at_start=-1, max_allocated=5), "allocated_at_start"),
+    (dict(allocated_at_start=1, max_allocated=5, reserved_at_start=4), "both"),
+    (dict(allocated_at_start=1, max_allocated=5, reserved_at_start=4, max_reserved=2), "max_reserved"),
+    (dict(allocated_at_start=1, max_allocated=5, device_free=4), "together"),
+    (dict(allocated_at_start=1, max_allocated=5, device_free=9, device_total=4, reserved_now=0), "exceeds"),
+    (dict(allocated_at_start=1.5, max_allocated=5), "whole number"),
+])
+def test_combine_allocator_counters_rejects_bad_readings(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        combine_allocator_counters(state_bytes=0, **kwargs)
+
+
+def test_counter_sources_are_checked():
+    with pytest.raises(TypeError, match="lacks"):
+        measure_memory(lambda: None, counters=object())
+    with pytest.raises(ValueError, match="CUDA"):
+        CudaCounters("cpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="No CUDA GPU"):
+            CudaCounters("cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_cuda_a_stale_model_changes_no_figure():
+    model = models.mlp(n_layers=2, width=256, in_features=64, n_classes=10).cuda()
+    opt = torch.optim.Adam(model.parameters())
+
+    def step():
+        F.cross_entropy(model(torch.randn(64, 64, device="cuda")), torch.randint(0, 10, (64,), device="cuda")).backward()
+        opt.step()
+        opt.zero_grad()
+
+    step()
+    alone = measure_memory(step, model=model, optimizer=opt)
+    stale = torch.empty(256 * MIB, dtype=torch.uint8, device="cuda")
+    with_stale = measure_memory(step, model=model, optimizer=opt)
+    assert with_stale.peak_bytes == alone.peak_bytes and alone.reserved_peak_bytes >= alone.peak_bytes
+    assert alone.cuda_context_bytes > 0
+    del stale
+
+
+# ---------------------------------------------------------------- one copy of the byte counts
+
+def test_optimizer_state_bytes_counts_state_once_and_checks_its_input():
+    model, opt = _mlp_and_adam()
+    assert optimizer_state_bytes(opt) == 0  # lazily created
+    _train_step(model, opt)
+    numel = sum(p.numel() for p in model.parameters())
+    assert optimizer_state_bytes(opt) == 2 * 4 * numel + 4 * len(list(model.parameters()))
+    with pytest.raises(TypeError, match="Optimizer"):
+        optimizer_state_bytes("adam")
+
+
+def test_iter_tensors_walks_nested_outputs():
+    a, b, c = torch.zeros(1), torch.zeros(2), torch.zeros(3)
+    assert [t.numel() for t in iter_tensors({"x": [a, (b, 3)], "y": c, "z": "text"})] == [1, 2, 3]
+
+
+# ---------------------------------------------------------------- live bytes over steps (the loss leak)
+
+def test_live_bytes_over_steps_sees_a_leak_and_a_flat_line():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
+    totals = {"leak": 0.0, "item": 0.0}
+
+    def make_step(kind):
+        def step(i):
+            loss = F.cross_entropy(model(torch.randn(32, 16)), torch.randint(0, 4, (32,)))
+            totals[kind] = totals[kind] + (loss if kind == "leak" else loss.item())
+        return step
+
+    leak = live_bytes_over_steps(make_step("leak"), 4)
+    flat = live_bytes_over_steps(make_step("item"), 4)
+    per_step = [b - a for a, b in zip(leak, leak[1:])]
+    assert len(set(per_step)) == 1 and per_step[0] >= 4 * 32 * (16 + 64 + 64)  # at least the saved inputs
+    assert flat == [0, 0, 0, 0]  # the model's parameters are not the steps'
+
+
+def test_live_bytes_counts_exact_sizes_and_frees():
+    kept = []
+    series = live_bytes_over_steps(lambda i: kept.append(torch.zeros(256)), 3)
+    assert series == [1024, 2048, 3072]
+    assert live_bytes_over_steps(lambda i: torch.zeros(256), 3) == [0, 0, 0]
+
+
+def test_live_bytes_cuda_branch_with_a_fake_counter_source():
+    fake = FakeAllocator()
+    fake.allocate(5 * MIB)  # alive before: not the steps'
+    assert live_bytes_over_steps(lambda i: fake.allocate(MIB), 3, counters=fake) == [MIB, 2 * MIB, 3 * MIB]
+
+
+def test_live_bytes_rejects_bad_input():
+    with pytest.raises(TypeError, match="function"):
+        live_bytes_over_steps(3, 2)
+    with pytest.raises(ValueError, match="n_steps"):
+        live_bytes_over_steps(lambda i: None, 0)
+    with pytest.raises(TypeError, match="lacks"):
+        live_bytes_over_steps(lambda i: None, 2, counters="cuda")
