@@ -130,8 +130,12 @@ def optimizer_state_bytes(optimizer) -> int:
     return tensor_bytes(*_state_tensors(optimizer))
 
 
-def _training_state_bytes(model, optimizer) -> int:
-    """Parameters, buffers, gradients present and optimizer state, each storage once."""
+def _training_state_bytes(model, optimizer, device: torch.device) -> int:
+    """Parameters, buffers, gradients present and optimizer state on ``device``'s type, each storage once.
+
+    Tensors elsewhere (Adam's step counters or an offloaded optimizer's state on the CPU while the
+    model is on the GPU) are not in that device's allocator, so they do not count there.
+    """
     tensors = []
     if model is not None:
         params = list(model.parameters())
@@ -139,7 +143,7 @@ def _training_state_bytes(model, optimizer) -> int:
     if optimizer is not None:
         tensors += [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         tensors += _state_tensors(optimizer)
-    return tensor_bytes(*tensors)
+    return tensor_bytes(*(t for t in tensors if t.device.type == device.type))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -439,7 +443,7 @@ def measure_memory(fn, *, model: nn.Module | None = None, optimizer=None, counte
     if counters is None and device.type == "cuda" and not fake and torch.cuda.is_available():
         counters = CudaCounters(device)
 
-    state_at_start = _training_state_bytes(model, optimizer)
+    state_at_start = _training_state_bytes(model, optimizer, device)
     if counters is not None:
         counters.synchronize()
         counters.empty_cache()  # cached free blocks from earlier code must not serve fn

@@ -242,6 +242,23 @@ def test_allocator_branch_runs_on_a_cpu_with_a_fake_counter_source():
     assert stale_report.reserved_peak_bytes - report.reserved_peak_bytes < FakeAllocator.SEGMENT  # segment rounding only
 
 
+def test_allocator_branch_counts_only_the_state_on_the_measured_device():
+    # a model "on the GPU" (here: the CPU, with a counter source) whose optimizer state lives elsewhere
+    # (meta tensors stand in for the CPU copy of an offloaded optimizer) is charged only its own device's state
+    model, opt = _mlp_and_adam()
+    _train_step(model, opt)
+    params = tensor_bytes(*model.parameters())
+    for state in opt.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                state[key] = torch.empty_like(value, device="meta")
+    fake = FakeAllocator()
+    fake.allocate(params)
+    report = measure_memory(lambda: None, model=model, optimizer=opt, counters=fake)
+    step_counters = sum(4 for state in opt.state.values() if isinstance(state.get("step"), torch.Tensor))
+    assert report.peak_bytes == params + step_counters
+
+
 def test_off_cuda_the_allocator_fields_are_none():
     model, opt = _mlp_and_adam()
     report = measure_memory(lambda: _train_step(model, opt), model=model, optimizer=opt)
