@@ -85,6 +85,8 @@ class CachingAllocator:
     num_alloc_retries: int = 0
     num_ooms: int = 0
     _next_addr: int = 1 << 32
+    _allocated: int = 0  # running sums of the two counters below, kept as each block and segment changes
+    _reserved: int = 0
 
     def __post_init__(self):
         for name in ("capacity", "max_split_size"):
@@ -95,12 +97,12 @@ class CachingAllocator:
     @property
     def allocated(self) -> int:
         """memory_allocated(): bytes of allocated blocks (rounded sizes and unsplit remainders included)."""
-        return sum(b.size for b in self.live.values())
+        return self._allocated
 
     @property
     def reserved(self) -> int:
         """memory_reserved(): bytes of all segments, allocated or cached."""
-        return sum(s.size for s in self.segments)
+        return self._reserved
 
     def memory_stats(self) -> dict:
         """A few of torch.cuda.memory_stats()'s counters, under the same names."""
@@ -133,7 +135,7 @@ class CachingAllocator:
             blocks.insert(blocks.index(block) + 1, Block(block.addr + size, block.size - size, block.segment))
             block.size = size
         block.allocated, block.requested = True, nbytes
-        self.live[key] = block
+        self.live[key], self._allocated = block, self._allocated + block.size
         self.events.append(("alloc", block.addr, nbytes))
         self.peak_allocated = max(self.peak_allocated, self.allocated)
         return block
@@ -143,6 +145,7 @@ class CachingAllocator:
         if key not in self.live:
             raise KeyError(f"key {key!r} is not allocated (freed twice, or never allocated).")
         block = self.live.pop(key)
+        self._allocated -= block.size
         self.events += [("free_requested", block.addr, block.requested), ("free_completed", block.addr, block.requested)]
         block.allocated, block.requested = False, 0
         self._merge(block)
@@ -161,7 +164,7 @@ class CachingAllocator:
         limit = self.max_split_size
         if block and limit and size < limit <= block.size:
             return None  # "Do not return an oversized block for a large request"
-        if block and limit and size >= limit and block.size >= size + K_LARGE_BUFFER:
+        if block and limit and size >= limit and block.size >= size + K_LARGE_BUFFER:  # max_non_split_rounding_mb
             return None  # "Allow oversized block size to be rounded up but within a limit"
         return block
 
@@ -183,6 +186,7 @@ class CachingAllocator:
         segment.blocks.append(Block(segment.addr, alloc, segment))
         self._next_addr += -(-alloc // K_SMALL_BUFFER) * K_SMALL_BUFFER
         self.segments.append(segment)
+        self._reserved += alloc
         self.events.append(("segment_alloc", segment.addr, alloc))
         self.peak_reserved = max(self.peak_reserved, self.reserved)
         return segment.blocks[0]
@@ -213,7 +217,7 @@ class CachingAllocator:
                 if n < b.size:
                     blocks.insert(blocks.index(b) + 1, Block(b.addr + n, b.size - n, segment, mapped=False))
                     b.size = n
-                b.mapped = True
+                b.mapped, self._reserved = True, self._reserved + n
                 self.events.append(("segment_map", b.addr, n))
         blocks[start:start + len(plan)] = [Block(plan[0][0].addr, covered, segment)]
         self.peak_reserved = max(self.peak_reserved, self.reserved)
@@ -237,6 +241,7 @@ class CachingAllocator:
             self.num_alloc_retries += small is not None
         for s in cached:
             self.segments.remove(s)
+            self._reserved -= s.size
             self.events.append(("segment_free", s.addr, s.size))
         for s in [] if oversize_only else [s for s in self.segments if s.expandable]:
             for b in [b for b in s.blocks if b.mapped and not b.allocated]:
@@ -253,6 +258,7 @@ class CachingAllocator:
             parts = [Block(block.addr, lo - block.addr, block.segment), Block(lo, hi - lo, block.segment, mapped=False),
                      Block(hi, block.addr + block.size - hi, block.segment)]
             blocks[i:i + 1] = [p for p in parts if p.size]
+            self._reserved -= hi - lo
             self.events.append(("segment_unmap", lo, hi - lo))
             self._merge(parts[1])
 

@@ -4,6 +4,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from course_utils import allocator as A
 from course_utils.checks import checker_rejects
@@ -120,6 +121,15 @@ def test_retry_frees_cached_segments_before_an_oom():
     assert sim.num_alloc_retries == 1 and sim.reserved == 70 * MIB
 
 
+def test_running_counters_match_the_segments():
+    frame, sim = A.replay(_fragmenting_trace()[:-3] + [("free", "keep3", 0), ("alloc", "x", 5 * MIB)],
+                          expandable_segments=True)
+    sim.empty_cache()
+    for s in (sim, A.replay(_fragmenting_trace())[1]):
+        assert s.reserved == sum(seg.size for seg in s.segments)
+        assert s.allocated == sum(b.size for seg in s.segments for b in seg.blocks if b.allocated)
+
+
 def test_replay_frame_and_overhead_ratio():
     frame, sim = A.replay([("alloc", 1, 3 * MIB), ("alloc", 2, 100), ("free", 1, 0)])
     assert list(frame.columns) == ["requested", "allocated", "reserved", "fragmentation"]
@@ -199,3 +209,33 @@ def test_options_from_env():
     assert A.options_from_env("expandable_segments:True, max_split_size_mb:128") == {
         "expandable_segments": True, "max_split_size": 128 * MIB}
     assert A.options_from_env("garbage_collection_threshold:0.6") == {}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_cuda_the_simulator_reserves_what_the_real_allocator_does():
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base, sim, keep = torch.cuda.memory_reserved(), A.CachingAllocator(**A.options_from_env()), []
+    for nbytes in (100 * KIB, 100 * KIB, 3 * MIB, 3 * MIB, 15 * MIB, 25 * MIB + 1):
+        sim.malloc(nbytes)
+        keep.append(torch.empty(nbytes, dtype=torch.uint8, device="cuda"))
+        assert torch.cuda.memory_reserved() - base == sim.reserved, f"after a request of {nbytes} bytes"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_cuda_a_real_out_of_memory_message_parses():
+    torch.cuda.empty_cache()
+    torch.cuda.set_per_process_memory_fraction(0.02)
+    chunks = []
+    try:
+        with pytest.raises(torch.OutOfMemoryError) as err:
+            while True:
+                chunks.append(torch.empty(64 * MIB, dtype=torch.uint8, device="cuda"))
+    finally:
+        del chunks
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.empty_cache()
+    m = A.parse_oom(str(err.value))
+    assert m.tried == 64 * MIB and m.allowed is not None and 0 < m.allocated <= m.reserved <= m.allowed

@@ -145,3 +145,31 @@ def test_the_private_memtracker_api_we_use_is_there():
         assert hasattr(tracker, name), name
     for name in ("_update_snap", "_update_peak_stats", "_pre_fw_hook"):
         assert callable(getattr(MemTracker, name)), name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_cuda_a_real_snapshot_reads_back_and_the_simulator_is_within_10_percent():
+    model = nn.Sequential(nn.Linear(1024, 4096), nn.ReLU(), nn.Linear(4096, 1024)).cuda()
+    opt = torch.optim.Adam(model.parameters())
+
+    def step():
+        model(torch.randn(512, 1024, device="cuda")).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()
+    tl = timeline.record_timeline(step, model=model, optimizer=opt)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    torch.cuda.memory._record_memory_history(max_entries=100_000)
+    step()
+    torch.cuda.synchronize()
+    snapshot = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    frame = timeline.snapshot_frame(snapshot)
+    assert frame["reserved"].iloc[-1] == torch.cuda.memory_reserved()
+    assert frame["reserved"].max() <= torch.cuda.max_memory_reserved()
+    _, sim = allocator.replay(tl.trace(), **allocator.options_from_env())
+    assert abs(sim.peak_reserved - torch.cuda.max_memory_reserved()) <= 0.1 * torch.cuda.max_memory_reserved()
