@@ -1,28 +1,23 @@
 """8-bit optimizer state, measured (notebook 05).
 
-The notebook writes the teaching quantizers itself (absmax, block-wise, dynamic map: a few
+The notebook writes the quantizers it teaches itself (absmax, block-wise, dynamic map: a few
 lines each). This module holds what would distract from the lesson:
 
 - :func:`error_metrics`: how far a quantized round trip is from the original
-- :func:`state_bytes`, :func:`state_table`: the bytes an optimizer's state tensors really hold
+- :func:`state_table`: the bytes each of an optimizer's state tensors really holds (the total is
+  :func:`course_utils.memory.optimizer_state_bytes`)
 - :func:`bnb_roundtrip`: bitsandbytes' own block-wise quantization, to compare with
-- :func:`blockwise_quantize` / :func:`blockwise_dequantize`: a reference block-wise absmax
-  quantizer (used by the exercise checker and the tests)
 - :func:`gpt2_tensor_sizes`: the element count of every GPT-2 parameter tensor, from its config
-- :func:`check_blockwise_exercise`: the exercise checker
+- :func:`check_block_quantizer`: the exercise checker (one block, dynamic map)
 """
 from __future__ import annotations
-
-import math
 
 import torch
 from torch import nn
 
-from .memory import storage_key, tensor_bytes
+from .estimate import BNB_BLOCKSIZE
+from .memory import storage_key
 from .validation import float_tensor
-
-BNB_BLOCKSIZE = 256
-INT8_LEVELS = 127  # symmetric int8: values -127..127
 
 
 def _check_blocksize(blocksize) -> int:
@@ -54,15 +49,6 @@ def _state_tensors(optimizer):
         for key, value in state.items():
             if isinstance(value, torch.Tensor):
                 yield param, key, value
-
-
-def state_bytes(optimizer) -> int:
-    """Bytes held by the optimizer's state tensors, each storage counted once.
-
-    bitsandbytes shares its quantization maps (``qmap1``/``qmap2``) between parameters; they
-    count once. Zero before the first ``optimizer.step()`` (state is created lazily).
-    """
-    return tensor_bytes(*(t for _, _, t in _state_tensors(optimizer)))
 
 
 def state_table(optimizer, model: nn.Module | None = None):
@@ -121,41 +107,6 @@ def bnb_roundtrip(x: torch.Tensor, *, blocksize: int = BNB_BLOCKSIZE, code: str 
     return BF.dequantize_blockwise(q, qstate).reshape(x.shape).to(x.dtype)
 
 
-def blockwise_quantize(x: torch.Tensor, blocksize: int = BNB_BLOCKSIZE):
-    """Reference block-wise absmax int8 quantization: returns ``(q int8 [n], absmax fp32 [n_blocks])``.
-
-    The flat tensor is cut into blocks of ``blocksize`` (the last one zero-padded); each block
-    is divided by its largest magnitude and mapped to the integers -127..127.
-    """
-    x = float_tensor(x, "x")
-    blocksize = _check_blocksize(blocksize)
-    flat = x.detach().float().flatten()
-    n = flat.numel()
-    pad = (-n) % blocksize
-    blocks = torch.nn.functional.pad(flat, (0, pad)).view(-1, blocksize)
-    absmax = blocks.abs().amax(dim=1)
-    scaled = blocks / absmax.clamp_min(torch.finfo(torch.float32).tiny)[:, None]
-    q = torch.round(scaled * INT8_LEVELS).to(torch.int8)
-    return q.flatten()[:n], absmax
-
-
-def blockwise_dequantize(q: torch.Tensor, absmax: torch.Tensor, blocksize: int = BNB_BLOCKSIZE,
-                         shape=None) -> torch.Tensor:
-    """Inverse of :func:`blockwise_quantize` (fp32 result, reshaped to ``shape`` if given)."""
-    if not isinstance(q, torch.Tensor) or q.dtype not in (torch.int8, torch.uint8, torch.int16, torch.int32):
-        raise TypeError("q must be an integer tensor, as returned by blockwise_quantize.")
-    absmax = float_tensor(absmax, "absmax")
-    blocksize = _check_blocksize(blocksize)
-    n = q.numel()
-    if absmax.numel() != math.ceil(n / blocksize):
-        raise ValueError(f"{n} values in blocks of {blocksize} need {math.ceil(n / blocksize)} absmax values, "
-                         f"got {absmax.numel()}; use the same blocksize as for quantizing.")
-    pad = (-n) % blocksize
-    blocks = torch.nn.functional.pad(q.flatten().float(), (0, pad)).view(-1, blocksize)
-    x = (blocks / INT8_LEVELS * absmax.float()[:, None]).flatten()[:n]
-    return x.reshape(shape) if shape is not None else x
-
-
 # ---------------------------------------------------------------- GPT-2 arithmetic
 def gpt2_tensor_sizes(name_or_config="gpt2-xl") -> list[int]:
     """Element count of every parameter tensor of a GPT-2 (tied LM head counted once), from its config."""
@@ -178,46 +129,66 @@ def gpt2_tensor_sizes(name_or_config="gpt2-xl") -> list[int]:
 
 
 # ---------------------------------------------------------------- exercise
-def check_blockwise_exercise(quantize_fn, dequantize_fn, x: torch.Tensor, blocksize: int = BNB_BLOCKSIZE) -> bool:
-    """Run the learner's block-wise quantizer on ``x`` and compare with the reference and bitsandbytes.
+def check_block_quantizer(quantize_fn, dequantize_fn, block: torch.Tensor, code: torch.Tensor) -> bool:
+    """Check the learner's one-block quantizer with a dynamic map, on a real block.
 
-    ``quantize_fn(x, blocksize) -> (q, absmax)``, ``dequantize_fn(q, absmax, blocksize, shape) -> x_hat``.
-    Passes when ``q`` holds 8-bit integers, there is one absmax per block, and the round-trip
-    error matches the reference's within 5% (bitsandbytes' error with a linear map is printed
-    beside it). A ``NotImplementedError`` from the learner's function propagates.
+    ``quantize_fn(block, code) -> (idx, absmax)``: ``absmax`` the block's largest magnitude, ``idx``
+    a uint8 tensor holding, for each value, the index of the code nearest to ``value / absmax``.
+    ``dequantize_fn(idx, absmax, code) -> code[idx] * absmax``. The reference is the definition
+    itself: distances to all 256 codes (ties count as nearest). The dequantizer is fed the reference
+    indices, so each half is judged on its own. bitsandbytes' ``quantize_blockwise`` on the same block
+    is printed beside it. A ``NotImplementedError`` from the learner's functions propagates.
     """
     from . import checks
 
     if not callable(quantize_fn) or not callable(dequantize_fn):
-        raise TypeError("Pass your two functions themselves (my_quantize, my_dequantize), not their results.")
-    x = float_tensor(x, "x")
-    blocksize = _check_blocksize(blocksize)
-    out = quantize_fn(x, blocksize)
+        raise TypeError("Pass your two functions themselves (quantize_block, dequantize_block), not their results.")
+    block = float_tensor(block, "block", "one block of optimizer state").detach().float().flatten()
+    code = float_tensor(code, "code", "the 256 values of the map").detach().float().flatten().to(block.device)
+    if code.numel() != 256:
+        raise ValueError(f"code must hold the 256 values of an 8-bit map, not {code.numel()}.")
+    out = quantize_fn(block, code)
     if out is None or out is Ellipsis:
-        raise ValueError("Your quantize function returned None: return (q, absmax).")
+        raise ValueError("Your quantize_block returned None: return (idx, absmax).")
     if not (isinstance(out, (tuple, list)) and len(out) == 2):
-        print("✗ quantize must return two tensors: (q, absmax).")
+        print("✗ quantize_block must return two things: (idx, absmax).")
         return False
-    q, absmax = out
-    ok = True
-    if not isinstance(q, torch.Tensor) or q.dtype not in (torch.int8, torch.uint8):
-        print(f"✗ q should be an int8 (or uint8) tensor: 1 byte per value; got {getattr(q, 'dtype', type(q))}.")
-        ok = False
-    n_blocks = math.ceil(x.numel() / blocksize)
-    if not isinstance(absmax, torch.Tensor) or absmax.numel() != n_blocks:
-        print(f"✗ expected one absmax per block: {n_blocks} values for {x.numel()} values in blocks of {blocksize}.")
-        ok = False
-    if not ok:
+    idx, absmax = out
+    if not isinstance(idx, torch.Tensor) or idx.dtype != torch.uint8 or idx.shape != block.shape:
+        got = f"{idx.dtype}, shape {tuple(idx.shape)}" if isinstance(idx, torch.Tensor) else type(idx).__name__
+        print(f"✗ idx should be a torch.uint8 tensor of shape {tuple(block.shape)} (one byte per value: an index "
+              f"into the 256 codes); got {got}.")
         return False
-    x_hat = dequantize_fn(q, absmax, blocksize, x.shape)
-    if not isinstance(x_hat, torch.Tensor) or x_hat.shape != x.shape:
-        print(f"✗ dequantize must return a tensor of shape {tuple(x.shape)}.")
+    ref_absmax = block.abs().max()
+    try:
+        absmax_value = float(absmax)
+    except (TypeError, ValueError, RuntimeError):
+        print(f"✗ absmax should be one number (a 0-d tensor), not {absmax!r}.")
         return False
-    learner = error_metrics(x, x_hat.float())["mean_abs_error"]
-    ref_q, ref_absmax = blockwise_quantize(x, blocksize)
-    reference = error_metrics(x, blockwise_dequantize(ref_q, ref_absmax, blocksize, x.shape))["mean_abs_error"]
-    bnb = error_metrics(x, bnb_roundtrip(x, blocksize=blocksize, code="linear"))["mean_abs_error"]
-    print(f"mean |error|: yours {learner:.3g}, reference {reference:.3g}, bitsandbytes (linear map) {bnb:.3g}")
-    return checks.check_exercise(f"block-wise (blocksize {blocksize}) round-trip error", learner, reference,
-                                 rel_tol=0.05, hint="divide each block by its own absmax, round to -127..127, "
-                                                    "store int8; multiply back by absmax/127.")
+    ok_absmax = checks.check_exercise("absmax of the block", absmax_value, float(ref_absmax), rel_tol=1e-6,
+                                      hint="the largest magnitude |x| in the block.")
+    dist = (block[:, None] / ref_absmax.clamp_min(1e-30) - code[None, :]).abs()
+    best = dist.min(dim=1).values
+    chosen = dist.gather(1, idx.long()[:, None]).squeeze(1)
+    nearest = float((chosen <= best + 1e-7).double().mean())
+    ok_idx = checks.check_exercise("share of values stored as their nearest code", nearest, 1.0,
+                                   hint="divide by absmax, then take the index of the closest code (not the "
+                                        "code just below or just above).")
+    ref_idx = dist.argmin(dim=1).to(torch.uint8)
+    x_hat = dequantize_fn(ref_idx, ref_absmax, code)
+    if not isinstance(x_hat, torch.Tensor) or x_hat.shape != block.shape:
+        print(f"✗ dequantize_block must return a tensor of shape {tuple(block.shape)}.")
+        return False
+    expected = code[ref_idx.long()] * ref_absmax
+    right = float(((x_hat.detach().float() - expected).abs() <= 1e-6 * ref_absmax).double().mean())
+    ok_deq = checks.check_exercise("share of values dequantized right", right, 1.0,
+                                   hint="look up each index in the code, then undo the division by absmax.")
+    try:
+        import bitsandbytes.functional as BF
+
+        bnb_idx, _ = BF.quantize_blockwise(block.contiguous(), code=code, blocksize=block.numel())
+        print(f"bitsandbytes' quantize_blockwise picks the same index as yours for "
+              f"{float((bnb_idx.flatten() == idx).double().mean()):.1%} of the values")
+    except Exception:  # noqa: BLE001 - only an illustration: no bitsandbytes, or a block size it does not take
+        pass
+    return ok_absmax and ok_idx and ok_deq

@@ -1,13 +1,17 @@
 """Tests of course_utils.quantization (notebook 05)."""
+import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from course_utils import estimate, models
+from course_utils import estimate, memory, models
 from course_utils import quantization as Q
+
+NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "05_8bit_adam.ipynb"
 
 
 def test_error_metrics_exact():
@@ -24,52 +28,80 @@ def test_error_metrics_exact():
         Q.error_metrics(torch.ones(2, dtype=torch.long), x)
 
 
-def test_blockwise_roundtrip_and_shapes():
+# ---------------------------------------------------------------- the notebook's quantizers
+def _notebook_functions(*names):
+    """Exec the code cells of notebook 05 that define ``names`` (the quantizers it teaches) and return them."""
+    nb = json.loads(NOTEBOOK.read_text())
+    ns = {"torch": torch, "F": F}
+    for cell in nb["cells"]:
+        src = "".join(cell["source"])
+        if cell["cell_type"] == "code" and any(f"def {name}(" in src for name in names):
+            # only the definitions: the cell's other lines use the notebook's state
+            defs = "\n\n".join(block for block in src.split("\n\n") if block.startswith("def "))
+            exec(compile(defs, str(NOTEBOOK), "exec"), ns)
+    missing = [name for name in names if name not in ns]
+    assert not missing, f"notebook 05 no longer defines {missing}"
+    return [ns[name] for name in names]
+
+
+def test_notebook_blockwise_quantizer_matches_bitsandbytes_linear_map():
+    quantize, dequantize = _notebook_functions("blockwise_quantize", "blockwise_dequantize")
     torch.manual_seed(0)
-    x = torch.randn(1000)
-    q, absmax = Q.blockwise_quantize(x, 256)
-    assert q.dtype == torch.int8 and q.numel() == 1000 and absmax.numel() == 4
-    assert int(q.abs().max()) == 127  # each block's largest value maps to +-127
-    x_hat = Q.blockwise_dequantize(q, absmax, 256, x.shape)
-    # rounding error is at most half a step: absmax / 127 / 2 per block
-    assert (x - x_hat).abs().max() <= absmax.max() / 127 / 2 + 1e-6
-    assert torch.equal(Q.blockwise_quantize(torch.zeros(10), 4)[0], torch.zeros(10, dtype=torch.int8))
+    x = torch.randn(5000)
+    q, absmax = quantize(x, 256)
+    assert q.dtype == torch.int8 and q.numel() == 5120 and absmax.numel() == 20  # last block zero-padded
+    x_hat = dequantize(q, absmax, x.numel())
+    assert (x - x_hat).abs().max() <= absmax.max() / 127 / 2 + 1e-6  # at most half a step
+    ours = Q.error_metrics(x, x_hat)["mean_abs_error"]
+    bnb = Q.error_metrics(x, Q.bnb_roundtrip(x, blocksize=256, code="linear"))["mean_abs_error"]
+    assert ours == pytest.approx(bnb, rel=0.02)
 
 
-def test_blockwise_isolates_an_outlier():
+def test_notebook_blockwise_quantizer_isolates_an_outlier():
+    quantize, dequantize = _notebook_functions("blockwise_quantize", "blockwise_dequantize")
     torch.manual_seed(0)
     x = torch.randn(4096) * 0.01
     x[3] = 10.0
-    global_err = Q.error_metrics(x, Q.blockwise_dequantize(*Q.blockwise_quantize(x, 4096), 4096))["mean_abs_error"]
-    block_err = Q.error_metrics(x, Q.blockwise_dequantize(*Q.blockwise_quantize(x, 256), 256))["mean_abs_error"]
-    assert block_err < global_err / 10
+    err = {bs: Q.error_metrics(x, dequantize(*quantize(x, bs), x.numel()))["mean_abs_error"] for bs in (256, 4096)}
+    assert err[256] < err[4096] / 10
 
 
-def test_reference_matches_bitsandbytes_linear_map():
+def test_notebook_dynamic_quantizer_matches_bitsandbytes():
+    import bitsandbytes.functional as BF
+
+    quantize, dequantize = _notebook_functions("dynamic_quantize", "dynamic_dequantize")
+    torch.manual_seed(0)
+    x = torch.randn(4096) * 1e-3
+    code = BF.create_dynamic_map(signed=True)
+    idx, absmax, sorted_code = quantize(x, code, 256)
+    assert idx.dtype == torch.uint8
+    bnb_idx, _ = BF.quantize_blockwise(x, code=code, blocksize=256)
+    same = (sorted_code[idx.long()].flatten() == code[bnb_idx.long()]).double().mean()
+    assert same > 0.99  # bitsandbytes' kernel rounds a few near-ties the other way
+    x_hat = dequantize(idx, absmax, sorted_code, x.numel())
+    assert Q.error_metrics(x, x_hat)["mean_abs_error"] == pytest.approx(
+        Q.error_metrics(x, Q.bnb_roundtrip(x, blocksize=256))["mean_abs_error"], rel=0.01)
+
+
+def test_bnb_roundtrip_shapes_and_maps():
     torch.manual_seed(0)
     x = torch.randn(5000)
-    ours = Q.error_metrics(x, Q.blockwise_dequantize(*Q.blockwise_quantize(x, 256), 256))["mean_abs_error"]
-    bnb = Q.error_metrics(x, Q.bnb_roundtrip(x, blocksize=256, code="linear"))["mean_abs_error"]
-    assert ours == pytest.approx(bnb, rel=0.02)
     assert Q.bnb_roundtrip(x.view(50, 100)).shape == (50, 100)
-    v = x.abs()
-    assert Q.bnb_roundtrip(v, code="dynamic_unsigned").min() >= 0
+    assert Q.bnb_roundtrip(x.abs(), code="dynamic_unsigned").min() >= 0
+    assert Q.bnb_roundtrip(x, blocksize=Q.BNB_BLOCKSIZE).shape == x.shape
 
 
 @pytest.mark.parametrize("bad", [0, 1, 2.5, True, "256"])
 def test_bad_blocksize(bad):
     with pytest.raises(ValueError, match="blocksize"):
-        Q.blockwise_quantize(torch.ones(4), bad)
+        Q.bnb_roundtrip(torch.ones(4), blocksize=bad)
 
 
-def test_dequantize_bad_inputs():
-    q, absmax = Q.blockwise_quantize(torch.randn(100), 10)
-    with pytest.raises(ValueError, match="same blocksize"):
-        Q.blockwise_dequantize(q, absmax, 20)
-    with pytest.raises(TypeError, match="integer"):
-        Q.blockwise_dequantize(q.float(), absmax, 10)
+def test_bnb_roundtrip_bad_inputs():
     with pytest.raises(ValueError, match="code"):
         Q.bnb_roundtrip(torch.ones(4), code="fp8")
+    with pytest.raises(TypeError, match="floating"):
+        Q.bnb_roundtrip(torch.ones(4, dtype=torch.long))
 
 
 def _model_and_step(make_opt):
@@ -85,11 +117,11 @@ def test_state_bytes_torch_adamw_is_8_bytes_per_param():
     model, opt = _model_and_step(lambda p: torch.optim.AdamW(p, lr=1e-3))
     n = sum(p.numel() for p in model.parameters())
     # exp_avg + exp_avg_sq fp32, plus a 4-byte fp32 step tensor per parameter tensor
-    assert Q.state_bytes(opt) == 8 * n + 4 * 4
+    assert memory.optimizer_state_bytes(opt) == 8 * n + 4 * 4
     table = Q.state_table(opt, model)
     assert list(table.param) == ["0.weight", "0.bias", "2.weight", "2.bias"]
     assert (table["state dtype"] == "float32").all()
-    assert table["bytes"].sum() == Q.state_bytes(opt)
+    assert table["bytes"].sum() == memory.optimizer_state_bytes(opt)
 
 
 def test_state_bytes_bnb_8bit_matches_estimate():
@@ -102,14 +134,13 @@ def test_state_bytes_bnb_8bit_matches_estimate():
     assert table.loc["2.weight", "state dtype"] == "float32"  # 1280 < 4096 keeps 32-bit state
     assert table.loc["0.weight", "absmax1"] == 4 * 8192 // 256
     qmaps = 2 * 256 * 4  # qmap1 + qmap2, shared by all 8-bit tensors, counted once
-    assert Q.state_bytes(opt) == estimate.optimizer_state_bytes(sum(sizes), "adam8bit", tensor_sizes=sizes) + qmaps
+    assert memory.optimizer_state_bytes(opt) == estimate.optimizer_state_bytes(sum(sizes), "adam8bit", tensor_sizes=sizes) + qmaps
 
 
 def test_state_bad_inputs():
     with pytest.raises(TypeError, match="Optimizer"):
-        Q.state_bytes(object())
+        Q.state_table(object())
     opt = torch.optim.AdamW(nn.Linear(2, 2).parameters())
-    assert Q.state_bytes(opt) == 0
     with pytest.raises(ValueError, match="step"):
         Q.state_table(opt)
     with pytest.raises(TypeError, match="Module"):
@@ -127,29 +158,89 @@ def test_gpt2_tensor_sizes():
         Q.gpt2_tensor_sizes(42)
 
 
-def test_check_blockwise_exercise(capsys):
+# ---------------------------------------------------------------- the exercise's checker
+def _code():
+    import bitsandbytes.functional as BF
+
+    return BF.create_dynamic_map(signed=True)
+
+
+def _block():
     torch.manual_seed(0)
-    x = torch.randn(3000) * 0.01
-    x[5] = 3.0
-    assert Q.check_blockwise_exercise(Q.blockwise_quantize, Q.blockwise_dequantize, x, 256)
+    block = torch.randn(256) * 1e-3
+    block[7] = 0.05  # an outlier: the other values land on the map's fine codes near 0
+    return block
 
-    def global_absmax(x, blocksize):  # ignores the blocks: one absmax for everything
-        q, a = Q.blockwise_quantize(x, x.numel())
-        return q, a.repeat(math.ceil(x.numel() / blocksize))
 
-    def deq(q, absmax, blocksize, shape):
-        return Q.blockwise_dequantize(q, absmax[:1], q.numel(), shape)
+def _quantize(block, code):
+    absmax = block.abs().max()
+    return (block[:, None] / absmax - code[None, :]).abs().argmin(dim=1).to(torch.uint8), absmax
 
-    assert not Q.check_blockwise_exercise(global_absmax, deq, x, 256)
-    assert not Q.check_blockwise_exercise(lambda x, b: (x.to(torch.float16), torch.ones(12)), deq, x, 256)
-    assert "int8" in capsys.readouterr().out
+
+def _dequantize(idx, absmax, code):
+    return code[idx.long()] * absmax
+
+
+def test_check_block_quantizer_passes_a_right_answer(capsys):
+    assert Q.check_block_quantizer(_quantize, _dequantize, _block(), _code())
+    out = capsys.readouterr().out
+    assert "✗" not in out and "bitsandbytes' quantize_blockwise picks the same index as yours" in out
+
+
+def _code_above(block, code):  # searchsorted: the code just above, not the nearest
+    absmax = block.abs().max()
+    return torch.searchsorted(code, block / absmax).clamp(max=255).to(torch.uint8), absmax
+
+
+def _not_normalized(block, code):  # forgets to divide by absmax
+    return torch.bucketize(block, (code[1:] + code[:-1]) / 2).to(torch.uint8), block.abs().max()
+
+
+def _linear_int8(block, code):  # block-wise absmax with linear codes: int8, not indices into the map
+    absmax = block.abs().max()
+    return torch.round(block / absmax * 127).to(torch.int8), absmax
+
+
+def _mean_not_max(block, code):
+    scale = block.abs().mean()
+    return (block[:, None] / scale - code[None, :]).abs().argmin(dim=1).to(torch.uint8), scale
+
+
+@pytest.mark.parametrize("quantize, dequantize, says", [
+    (_code_above, _dequantize, "nearest code"),
+    (_not_normalized, _dequantize, "nearest code"),
+    (_linear_int8, _dequantize, "uint8"),
+    (_mean_not_max, _dequantize, "absmax of the block"),
+    (_quantize, lambda idx, absmax, code: code[idx.long()], "dequantized right"),
+    (_quantize, lambda idx, absmax, code: code[idx.long()][:10] * absmax, "shape"),
+])
+def test_check_block_quantizer_rejects_wrong_answers(quantize, dequantize, says, capsys):
+    assert not Q.check_block_quantizer(quantize, dequantize, _block(), _code())
+    assert says in capsys.readouterr().out
+
+
+def test_checker_rejects_counts_every_wrong_answer():
+    from course_utils import checks
+
+    check = lambda fns: Q.check_block_quantizer(*fns, _block(), _code())  # noqa: E731
+    assert checks.checker_rejects(check, (_code_above, _dequantize), (_linear_int8, _dequantize))
+    assert not checks.checker_rejects(check, (_code_above, _dequantize), (_quantize, _dequantize))
+
+
+def test_check_block_quantizer_bad_inputs():
+    block, code = _block(), _code()
     with pytest.raises(ValueError, match="None"):
-        Q.check_blockwise_exercise(lambda x, b: None, deq, x, 256)
+        Q.check_block_quantizer(lambda b, c: None, _dequantize, block, code)
     with pytest.raises(TypeError, match="functions themselves"):
-        Q.check_blockwise_exercise(None, deq, x)
+        Q.check_block_quantizer(None, _dequantize, block, code)
+    with pytest.raises(ValueError, match="256"):
+        Q.check_block_quantizer(_quantize, _dequantize, block, code[:16])
+    with pytest.raises(TypeError, match="floating"):
+        Q.check_block_quantizer(_quantize, _dequantize, block.long(), code)
+    assert not Q.check_block_quantizer(lambda b, c: b, _dequantize, block, code)
 
-    def todo(x, b):
+    def todo(*args):
         raise NotImplementedError
 
     with pytest.raises(NotImplementedError):
-        Q.check_blockwise_exercise(todo, deq, x)
+        Q.check_block_quantizer(todo, _dequantize, block, code)
