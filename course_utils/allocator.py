@@ -93,6 +93,8 @@ class CachingAllocator:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
                 raise ValueError(f"{name} must be a positive number of bytes or None, not {value!r}.")
+        if not isinstance(self.expandable_segments, bool):
+            raise TypeError(f"expandable_segments must be True or False, not {self.expandable_segments!r}.")
 
     @property
     def allocated(self) -> int:

@@ -150,6 +150,8 @@ def test_bad_input_is_explained():
         sim.malloc(10, "x")
     with pytest.raises(ValueError, match="positive number of bytes"):
         A.CachingAllocator(capacity=0)
+    with pytest.raises(TypeError, match="True or False"):
+        A.CachingAllocator(expandable_segments="yes")
     with pytest.raises(ValueError, match="'alloc' or 'free'"):
         A.replay([("malloc", 1, 10)])
 
