@@ -67,7 +67,7 @@ class GpuMemoryPoller:
 
 
 def notebooks_in(folder: Path, only: list[str] | None = None) -> list[Path]:
-    paths = sorted(p for p in folder.glob("[0-9][0-9]_*.ipynb"))
+    paths = sorted(folder.glob("[0-9][0-9]*_*.ipynb"))  # 01b_... too
     if only:
         wanted = set(only)
         unknown = wanted - {p.stem for p in paths} - {p.name for p in paths}
