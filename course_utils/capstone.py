@@ -1,38 +1,30 @@
-"""The capstone's reusable pieces: GPT-2-XL fine-tuning inside a small GPU (notebook 06).
+"""The capstone's pieces that are not the lesson: GPT-2-XL fine-tuning inside a small GPU (notebook 06).
 
-The recipe (seed article 003, "How to fine tune VERY large model if it doesn't fit on your GPU"):
+The lesson itself (the two-copy step with loss scaling and overflow skip, and the gradient-streaming
+hook) is written in notebook 06's cells, after "How to fine tune VERY large model if it doesn't fit
+on your GPU". This module holds what the notebook uses around it:
 
-* the GPU holds a 16-bit copy of the model (the *device model*) that runs forward and backward,
-  with gradient checkpointing, one micro-batch at a time;
-* the CPU holds the fp32 *master* copy and the optimizer (8-bit Adam here), which steps there;
-* after the micro-batches of one optimizer step, the gradients are copied GPU -> CPU master,
-  unscaled by the loss scale and checked for inf/NaN (fp16 overflow: skip the step, lower the
-  scale), the optimizer steps on the CPU, and the new weights are copied back to the GPU.
-
-:class:`MasterCopyTrainer` is that recipe. :class:`StreamedGradTrainer` goes further (issue 12):
-each gradient leaves the GPU the moment backward has produced it
-(``Tensor.register_post_accumulate_grad_hook``), is summed into the fp32 master gradient on the
-CPU across micro-batches, and its GPU memory is freed at once, so the GPU never holds all the
-gradients together.
-
-Also here: a fake-tensor prediction of the GPU peak (:func:`predict_gpu_peak`), atomic
-checkpoints that resume bit-for-bit (:func:`save_checkpoint`, :func:`load_checkpoint`), an offline
-corpus (the course's own prose, :func:`course_corpus`), a byte-level tokenizer used when GPT-2's
-cannot be loaded offline (:class:`ByteTokenizer`, :func:`load_tokenizer`), resumable batches
-(:class:`TokenBatches`) and the PCIe arithmetic of both recipes (:func:`pcie_bytes_per_step`).
-The training loops themselves stay in the notebook.
+* :func:`device_precision`: bf16 where the GPU runs it natively, fp16 with loss scaling on older
+  cards, fp32 on a CPU;
+* copy engines for the streaming hook: :class:`CudaCopyEngine` (pinned staging, a side stream,
+  events) and its CPU twin :class:`CpuCopyEngine`, with one interface
+  (``start_copy(src, dst) -> handle``, ``ready(handle)``, ``wait(handle)``, ``staging_like(t)``);
+* the fake-tensor prediction of the GPU peak (:func:`predict_gpu_peak`) and the micro-batch that
+  fits a card with its CUDA context and allocator reserve (:func:`largest_fitting_micro_batch`);
+* the exercise checker for the two-copy step (:func:`check_two_copy_step`);
+* atomic checkpoints that resume bit-for-bit (:func:`save_checkpoint`, :func:`load_checkpoint`);
+* data: the offline corpus (:func:`course_corpus`), tokenizers, resumable batches
+  (:class:`TokenBatches`), sampling; the PCIe arithmetic of both variants (:func:`pcie_bytes_per_step`).
 """
 from __future__ import annotations
 
-import collections
 import json
-import math
 import os
 import random
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, NamedTuple
 
 import torch
 from torch import nn
@@ -41,371 +33,268 @@ from . import paths
 from .validation import positive_int, positive_number
 
 CORPUS_FILE = "course_corpus.txt"  # in course_utils/data_files/, made by scripts/build_corpus.py
-OPTIMIZER_NAMES = ("adam8bit", "adam", "adamw", "sgd")
 VARIANTS = ("recipe", "streamed")
 
 
 # ----------------------------------------------------------------------------------------------
-# argument checks
+# which 16-bit format the device copy uses
 # ----------------------------------------------------------------------------------------------
-def _is_fake(t) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
+class Precision(NamedTuple):
+    """The device copy's dtype, whether it needs loss scaling, and why (one sentence)."""
 
-    return isinstance(t, FakeTensor)
+    dtype: torch.dtype
+    loss_scaling: bool
+    why: str
+
+
+def device_precision(compute_capability) -> Precision:
+    """The rule notebook 04 teaches, for the capstone's device copy.
+
+    ``compute_capability`` is ``(major, minor)`` of the CUDA GPU (``hardware.compute_capability()``)
+    or ``None`` without one. Compute capability 8.0 and newer (Ampere, Ada, Hopper...) run bf16
+    natively: bf16 has fp32's exponent range, so no loss scaling. Older cards (a T4 is 7.5) get
+    fp16 with dynamic loss scaling. Without a GPU the device copy is fp32 (CPUs are slow at fp16),
+    which needs no scaling either.
+    """
+    if compute_capability is None:
+        return Precision(torch.float32, False, "no CUDA GPU: an fp32 device copy (CPUs are slow at 16-bit "
+                                               "kernels); fp32 needs no loss scaling")
+    if (not isinstance(compute_capability, tuple) or len(compute_capability) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in compute_capability)):
+        raise ValueError(f"compute_capability must be (major, minor), e.g. (7, 5) for a T4, or None without a GPU; "
+                         f"got {compute_capability!r}.")
+    cc = f"{compute_capability[0]}.{compute_capability[1]}"
+    if compute_capability >= (8, 0):
+        return Precision(torch.bfloat16, False, f"compute capability {cc} runs bf16 natively; bf16 has fp32's "
+                                                "exponent range, so no loss scaling")
+    return Precision(torch.float16, True, f"compute capability {cc} has no native bf16 (T4 class): fp16 with "
+                                          "dynamic loss scaling")
 
 
 # ----------------------------------------------------------------------------------------------
-# dynamic loss scaling (what torch.amp.GradScaler does, for a model whose optimizer is elsewhere)
+# copy engines: device -> host copies that the streaming hook queues and drains
 # ----------------------------------------------------------------------------------------------
-class LossScaler:
-    """Dynamic loss scale for an fp16 model (Micikevicius et al. 2017).
+class CudaCopyEngine:
+    """Device -> pinned-host copies on a side CUDA stream, one event per copy.
 
-    The loss is multiplied by ``scale`` before backward so small fp16 gradients do not flush to
-    zero; gradients are divided by it before the optimizer sees them. When any gradient is
-    inf/NaN (fp16 overflow), the step is skipped and the scale multiplied by ``backoff_factor``;
-    after ``growth_interval`` good steps in a row it is multiplied by ``growth_factor``.
-    ``dynamic=False`` keeps the scale fixed (1.0 for fp32/bf16 models, which need no scaling).
+    ``start_copy(src, dst)`` waits for the compute stream (``src`` must be complete), issues
+    ``dst.copy_(src, non_blocking=True)`` on the side stream, tells the caching allocator that the
+    side stream still reads ``src`` (``record_stream``, so freeing the gradient cannot hand its memory
+    to the next kernel too early) and returns an event; ``ready`` polls it, ``wait`` blocks on it.
     """
 
-    def __init__(self, init_scale: float = 2.0**16, *, dynamic: bool = True, growth_factor: float = 2.0,
-                 backoff_factor: float = 0.5, growth_interval: int = 1000, min_scale: float = 1.0):
-        self.scale = positive_number(init_scale, "init_scale")
-        self.growth_factor = positive_number(growth_factor, "growth_factor")
-        self.backoff_factor = positive_number(backoff_factor, "backoff_factor")
-        self.growth_interval = positive_int(growth_interval, "growth_interval")
-        self.min_scale = positive_number(min_scale, "min_scale")
-        if not isinstance(dynamic, bool):
-            raise TypeError(f"dynamic must be True or False, not {dynamic!r}.")
-        if self.growth_factor <= 1:
-            raise ValueError(f"growth_factor must be above 1 (got {growth_factor}), e.g. 2.0.")
-        if self.backoff_factor >= 1:
-            raise ValueError(f"backoff_factor must be below 1 (got {backoff_factor}), e.g. 0.5.")
-        self.dynamic = dynamic
-        self.good_steps = 0
+    pinned = True
 
-    def update(self, found_inf: bool) -> None:
-        """After a step: lower the scale on overflow, raise it after ``growth_interval`` good steps."""
-        if not self.dynamic:
-            return
-        if found_inf:
-            self.scale = max(self.scale * self.backoff_factor, self.min_scale)
-            self.good_steps = 0
+    def __init__(self, device="cuda"):
+        self.device = torch.device(device)
+        if self.device.type != "cuda":
+            raise ValueError(f"CudaCopyEngine copies from a CUDA device, not {self.device}; use CpuCopyEngine there.")
+        self.stream = torch.cuda.Stream(device=self.device)
+        self.copies_started = 0
+
+    def staging_like(self, t: torch.Tensor) -> torch.Tensor:
+        """A host buffer for ``t``'s copy: pinned (page-locked), so the copy can run asynchronously."""
+        return torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
+
+    def start_copy(self, src: torch.Tensor, dst: torch.Tensor):
+        self.stream.wait_stream(torch.cuda.current_stream(src.device))
+        with torch.cuda.stream(self.stream):
+            dst.copy_(src, non_blocking=True)
+        src.record_stream(self.stream)
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        self.copies_started += 1
+        return event
+
+    def ready(self, handle) -> bool:
+        return handle.query()
+
+    def wait(self, handle) -> None:
+        handle.synchronize()
+
+
+class _PendingCopy:
+    __slots__ = ("src", "dst", "done")
+
+    def __init__(self, src, dst):
+        self.src, self.dst, self.done = src, dst, False
+
+    def run(self) -> None:
+        if not self.done:
+            with torch.no_grad():
+                self.dst.copy_(self.src)
+            self.src, self.done = None, True  # like record_stream: the source lives until its copy ran
+
+
+class CpuCopyEngine:
+    """The CPU twin of :class:`CudaCopyEngine`: the same interface, so the same hook code runs on a CPU.
+
+    ``deferred=False`` (what a CPU does): each copy completes in ``start_copy``. ``deferred=True``
+    (for tests): copies wait in :attr:`pending` until ``wait(handle)`` or :meth:`complete` runs them,
+    in any order, so a test can keep copies in flight and finish them out of order, as a GPU's copy
+    engine may.
+    """
+
+    pinned = False
+
+    def __init__(self, *, deferred: bool = False):
+        if not isinstance(deferred, bool):
+            raise TypeError(f"deferred must be True or False, not {deferred!r}.")
+        self.deferred = deferred
+        self.pending: list = []
+        self.copies_started = 0
+
+    def staging_like(self, t: torch.Tensor) -> torch.Tensor:
+        return torch.empty(t.shape, dtype=t.dtype, device="cpu")
+
+    def start_copy(self, src: torch.Tensor, dst: torch.Tensor):
+        if not isinstance(src, torch.Tensor) or not isinstance(dst, torch.Tensor):
+            raise TypeError("start_copy(src, dst) takes two tensors: the device gradient and its host buffer.")
+        if tuple(src.shape) != tuple(dst.shape):
+            raise ValueError(f"Cannot copy a tensor of shape {tuple(src.shape)} into a buffer of {tuple(dst.shape)}.")
+        handle = _PendingCopy(src, dst)
+        self.copies_started += 1
+        if self.deferred:
+            self.pending.append(handle)
         else:
-            self.good_steps += 1
-            if self.good_steps >= self.growth_interval:
-                self.scale *= self.growth_factor
-                self.good_steps = 0
+            handle.run()
+        return handle
 
-    def state_dict(self) -> dict:
-        return {"scale": self.scale, "good_steps": self.good_steps, "dynamic": self.dynamic}
+    def ready(self, handle) -> bool:
+        return handle.done
 
-    def load_state_dict(self, state: dict) -> None:
-        if not isinstance(state, dict) or not {"scale", "good_steps"} <= set(state):
-            raise ValueError("A LossScaler state must be the dict state_dict() returned (keys scale, good_steps).")
-        self.scale = float(state["scale"])
-        self.good_steps = int(state["good_steps"])
-        self.dynamic = bool(state.get("dynamic", self.dynamic))
+    def wait(self, handle) -> None:
+        self.complete(handle)
 
-    def __repr__(self) -> str:
-        return f"LossScaler(scale={self.scale:g}, dynamic={self.dynamic}, good_steps={self.good_steps})"
+    def complete(self, handle) -> None:
+        """Run one queued copy now (tests use it to finish copies out of order)."""
+        handle.run()
+        if handle in self.pending:
+            self.pending.remove(handle)
+
+
+def copy_engine(device) -> CudaCopyEngine | CpuCopyEngine:
+    """The copy engine for a device model on ``device``: CUDA's side stream, or its CPU twin."""
+    device = torch.device(device)
+    return CudaCopyEngine(device) if device.type == "cuda" else CpuCopyEngine()
 
 
 # ----------------------------------------------------------------------------------------------
-# the two-copy recipe
+# the exercise checker: the two-copy step
 # ----------------------------------------------------------------------------------------------
-def _make_optimizer(spec, params: list, lr: float, weight_decay: float):
-    if callable(spec) and not isinstance(spec, str):
-        opt = spec(params)
-        if not isinstance(opt, torch.optim.Optimizer):
-            raise TypeError(
-                f"optimizer factory must return a torch.optim.Optimizer, not {type(opt).__name__}; "
-                "e.g. optimizer=lambda params: torch.optim.Adam(params, lr=1e-4)."
-            )
-        return opt
-    if not isinstance(spec, str):
-        raise TypeError(f"optimizer must be one of {OPTIMIZER_NAMES} or a callable params -> Optimizer, not {spec!r}.")
-    name = spec.lower().replace("-", "").replace("_", "")
-    if name == "adam8bit":
-        import bitsandbytes as bnb  # 0.50.2 steps on the CPU
+def check_two_copy_step(step_fn: Callable, *, verbose: bool = True) -> bool:
+    """Check a learner's ``two_copy_step(device_params, master_params, optimizer, scale) -> bool``.
 
-        return bnb.optim.Adam8bit(params, lr=lr, weight_decay=weight_decay)
-    if name == "adam":
-        return torch.optim.Adam(params, lr=lr, weight_decay=weight_decay, foreach=False)
-    if name == "adamw":
-        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, foreach=False)
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=lr, weight_decay=weight_decay)
-    raise ValueError(f"Unknown optimizer {spec!r}; choose one of {OPTIMIZER_NAMES} or pass a callable params -> Optimizer.")
+    Runs it on real tensors (an fp16 device copy, its fp32 master copy with SGD, loss scale 2**10)
+    in three situations and compares with what the step must do:
 
+    1. finite gradients on the device (one parameter without a gradient): the master weights move by
+       ``-lr * grad / scale``, the device weights become the new master weights in fp16, it returns True;
+    2. an inf in one gradient (fp16 overflow): nothing changes, it returns False;
+    3. the gradients already summed in the master gradients, none on the device (streaming): it steps
+       with those.
 
-class MasterCopyTrainer:
-    """The article's two-copy scheme: a 16-bit device model, an fp32 CPU master copy that steps.
-
-    Use it like this (the loop stays yours)::
-
-        trainer = MasterCopyTrainer(model, optimizer="adam8bit", lr=1e-4)
-        for step in range(n_steps):
-            for micro in range(accum_steps):
-                loss = model(input_ids=x, labels=x).loss
-                trainer.backward(loss / accum_steps)   # scaled by the loss scale
-            applied = trainer.step()                   # False: fp16 overflow, step skipped
-
-    Args:
-        model: the device model (fp16 on a GPU; fp16, bf16 or fp32 on the CPU).
-        optimizer: ``'adam8bit'`` (bitsandbytes, steps on the CPU), ``'adam'``, ``'adamw'``, ``'sgd'``,
-            or a callable ``params -> torch.optim.Optimizer`` built on the master parameters.
-        lr, weight_decay: used by the named optimizers.
-        loss_scale: ``None`` chooses: dynamic scaling from 2**16 for an fp16 model, a fixed 1.0
-            otherwise; ``'dynamic'`` forces dynamic; a number fixes the scale.
-        growth_interval: good steps before a dynamic scale doubles.
-        host_device: where the master copy lives: ``'cpu'``. A fake-tensor prediction whose fake
-            "GPU" is the CPU passes ``'meta'`` so the host side stays apart from the measured device.
+    After each, the device gradients must be gone (None or zero) and the master gradients zero.
+    Returns True when all hold; prints what went wrong otherwise. ``NotImplementedError`` from an
+    unfilled stub propagates, so the notebook can say "fill in".
     """
+    if not callable(step_fn):
+        raise TypeError(f"Pass your two_copy_step function itself, not {type(step_fn).__name__}.")
+    scale, lr = 2.0**10, 0.5
+    shapes = [(3, 4), (5,), (2,)]
 
-    variant = "recipe"
-
-    def __init__(self, model: nn.Module, optimizer="adam8bit", *, lr: float = 1e-4, weight_decay: float = 0.0,
-                 loss_scale=None, init_scale: float = 2.0**16, growth_interval: int = 1000,
-                 host_device: str = "cpu"):
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module (the device model), not {type(model).__name__}.")
-        self.model = model
-        self.device_params = [p for p in model.parameters() if p.requires_grad]
-        if not self.device_params:
-            raise ValueError("The model has no trainable parameters (requires_grad=True); nothing to train.")
-        self.lr = positive_number(lr, "lr")
-        if isinstance(weight_decay, bool) or not isinstance(weight_decay, (int, float)) or weight_decay < 0:
-            raise ValueError(f"weight_decay must be a number >= 0, not {weight_decay!r}.")
-        self.weight_decay = float(weight_decay)
-        self.param_dtype = self.device_params[0].dtype
-        if not self.param_dtype.is_floating_point:
-            raise TypeError(f"The device model's parameters must be floating point, not {self.param_dtype}.")
-        if loss_scale is None:
-            dynamic = self.param_dtype == torch.float16
-            self.scaler = LossScaler(init_scale if dynamic else 1.0, dynamic=dynamic, growth_interval=growth_interval)
-        elif loss_scale == "dynamic":
-            self.scaler = LossScaler(init_scale, dynamic=True, growth_interval=growth_interval)
-        elif isinstance(loss_scale, str):
-            raise ValueError(f"loss_scale must be None, 'dynamic' or a positive number, not {loss_scale!r}.")
+    def situation(seed: int, device_grads: bool, overflow: bool = False):
+        gen = torch.Generator().manual_seed(seed)
+        weights = [torch.randn(s, generator=gen) for s in shapes]  # the fp32 checkpoint
+        grads = [torch.randn(s, generator=gen) * 1e-2 for s in shapes]
+        grads[2] = torch.zeros(shapes[2])  # a parameter the loss did not use
+        device = [nn.Parameter(w.to(torch.float16)) for w in weights]
+        master = [nn.Parameter(w.clone()) for w in weights]
+        for m in master:
+            m.grad = torch.zeros_like(m)
+        if device_grads:
+            for p, g in zip(device[:2], grads[:2]):
+                p.grad = (g * scale).to(torch.float16)
+            grads = [p.grad.float() / scale if p.grad is not None else torch.zeros_like(g) for p, g in zip(device, grads)]
+            if overflow:
+                device[1].grad[0] = float("inf")
         else:
-            self.scaler = LossScaler(positive_number(loss_scale, "loss_scale"), dynamic=False)
-        if host_device not in ("cpu", "meta"):
-            raise ValueError(f"host_device must be 'cpu' (or 'meta' for fake-tensor predictions), not {host_device!r}.")
-        self.host_device = host_device
-        # the fp32 master copy on the CPU, with its gradient buffers allocated once
-        with torch.no_grad():
-            self.master_params = []
-            for p in self.device_params:
-                master = nn.Parameter(p.detach().to(device=host_device, dtype=torch.float32, copy=True))
-                master.grad = torch.zeros_like(master)
-                self.master_params.append(master)
-        self._optimizer_spec = optimizer
-        if not (callable(optimizer) or isinstance(optimizer, str)):
-            raise TypeError(f"optimizer must be one of {OPTIMIZER_NAMES} or a callable params -> Optimizer, not {optimizer!r}.")
-        if isinstance(optimizer, str):
-            key = optimizer.lower().replace("-", "").replace("_", "")
-            if key not in OPTIMIZER_NAMES:
-                raise ValueError(f"Unknown optimizer {optimizer!r}; choose one of {OPTIMIZER_NAMES}.")
-        self._optimizer = None  # built on first use: a fake-tensor prediction never needs it
-        self.steps = 0  # optimizer steps applied
-        self.skipped_steps = 0  # skipped for inf/NaN gradients
-
-    # the optimizer is built lazily so that building a trainer on fake tensors costs nothing
-    @property
-    def optimizer(self) -> torch.optim.Optimizer:
-        if self._optimizer is None:
-            self._optimizer = _make_optimizer(self._optimizer_spec, self.master_params, self.lr, self.weight_decay)
-        return self._optimizer
-
-    @property
-    def loss_scale(self) -> float:
-        return self.scaler.scale
-
-    def backward(self, loss: torch.Tensor) -> None:
-        """``(loss * loss_scale).backward()``. Divide the loss by the accumulation steps yourself."""
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            raise TypeError("backward() takes the scalar loss tensor of one micro-batch (e.g. `out.loss / accum`).")
-        if not loss.requires_grad:
-            raise ValueError("The loss does not require grad: was it computed under torch.no_grad() or model.eval()?")
-        scale = self.scaler.scale
-        (loss * scale if scale != 1.0 else loss).backward()
-
-    # -- the step, in the article's three moves ------------------------------------------------
-    def _collect_grads(self) -> None:
-        """Device gradients -> fp32 master gradients on the CPU (still scaled)."""
-        with torch.no_grad():
-            for p, m in zip(self.device_params, self.master_params):
-                if p.grad is None:
-                    m.grad.zero_()  # a parameter the loss did not use
-                else:
-                    m.grad.copy_(p.grad)
-
-    def _found_inf(self) -> bool:
-        return any(not bool(torch.isfinite(m.grad).all()) for m in self.master_params)
-
-    def _unscale(self) -> None:
-        scale = self.scaler.scale
-        if scale != 1.0:
-            inv = 1.0 / scale
-            for m in self.master_params:
-                m.grad.mul_(inv)
-
-    def _copy_weights_back(self) -> None:
-        with torch.no_grad():
-            for p, m in zip(self.device_params, self.master_params):
-                # cast on the CPU first, so the GPU never holds a temporary fp32 copy
-                src = m.detach() if m.dtype == p.dtype else m.detach().to(p.dtype)
-                p.copy_(src, non_blocking=False)
-
-    def _zero_grads(self) -> None:
-        for p in self.device_params:
-            p.grad = None
-        for m in self.master_params:
-            m.grad.zero_()
-
-    def step(self) -> bool:
-        """Copy grads to the CPU master, unscale, check overflow, step, copy weights back.
-
-        Returns True when the optimizer stepped, False when the step was skipped because a
-        gradient was inf/NaN (the loss scale is then lowered). Gradients are zeroed either way.
-        """
-        self._collect_grads()
-        found_inf = self._found_inf()
-        if not found_inf:
-            self._unscale()
-            self.optimizer.step()
-            self._copy_weights_back()
-            self.steps += 1
+            for m, g in zip(master, grads):
+                m.grad.copy_(g * scale)
+        if overflow:
+            expected = [w.clone() for w in weights]
         else:
-            self.skipped_steps += 1
-        self.scaler.update(found_inf)
-        self._zero_grads()
-        return not found_inf
+            expected = [w - lr * g for w, g in zip(weights, grads)]
+        return device, master, torch.optim.SGD(master, lr=lr), expected, weights
 
-    # -- checkpoints ---------------------------------------------------------------------------
-    def state_dict(self) -> dict:
-        """Master weights (fp32, CPU), optimizer state (8-bit included), loss scale, counters."""
-        return {
-            "variant": self.variant,
-            "master_params": [m.detach() for m in self.master_params],  # no copy (RAM): save it now
-            "optimizer": self.optimizer.state_dict(),
-            "scaler": self.scaler.state_dict(),
-            "steps": self.steps,
-            "skipped_steps": self.skipped_steps,
-        }
-
-    def load_state_dict(self, state: dict) -> None:
-        """Restore what :meth:`state_dict` saved and copy the master weights to the device model."""
-        if not isinstance(state, dict) or "master_params" not in state:
-            raise ValueError("load_state_dict needs the dict that state_dict() returned (it has 'master_params').")
-        saved = state["master_params"]
-        if len(saved) != len(self.master_params):
-            raise ValueError(
-                f"The checkpoint holds {len(saved)} parameter tensors, this model {len(self.master_params)}: "
-                "it was saved from a different model. Delete the checkpoint folder or use the same config."
-            )
-        for m, s in zip(self.master_params, saved):
-            if tuple(m.shape) != tuple(s.shape):
-                raise ValueError(f"Checkpoint tensor of shape {tuple(s.shape)} does not fit parameter {tuple(m.shape)}.")
-        with torch.no_grad():
-            for m, s in zip(self.master_params, saved):
-                m.copy_(s)
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scaler.load_state_dict(state["scaler"])
-        self.steps = int(state.get("steps", 0))
-        self.skipped_steps = int(state.get("skipped_steps", 0))
-        self._copy_weights_back()
-        self._zero_grads()
-
-    def __repr__(self) -> str:
-        n = sum(m.numel() for m in self.master_params)
-        return (f"{type(self).__name__}({n:,} params, device {self.param_dtype} on "
-                f"{self.device_params[0].device.type}, master fp32 on cpu, {self.scaler})")
+    problems = []
+    for label, seed, device_grads, overflow in (("finite gradients", 1, True, False),
+                                                ("an fp16 overflow (inf gradient)", 2, True, True),
+                                                ("streamed gradients (already on the master)", 3, False, False)):
+        device, master, opt, expected, weights = situation(seed, device_grads, overflow)
+        try:
+            stepped = step_fn(device, master, opt, scale)
+        except NotImplementedError:
+            raise
+        except Exception as err:  # the learner's code: say what broke, do not crash the notebook
+            problems.append(f"with {label} it raised {type(err).__name__}: {err}")
+            continue
+        if stepped is None or bool(stepped) != (not overflow):
+            problems.append(f"with {label} it returned {stepped!r}, expected {not overflow} "
+                            f"({'skip the step' if overflow else 'the step was applied'})")
+        for what, got, want in (("master weights", [m.detach() for m in master], expected),
+                                ("device weights", [p.detach().float() for p in device],
+                                 [e.to(torch.float16).float() for e in expected])):
+            if not all(torch.allclose(g, w, rtol=1e-5, atol=1e-6) for g, w in zip(got, want)):
+                hint = ("unchanged" if overflow else
+                        "master - lr * grad / scale" if what == "master weights" else
+                        "the new master weights, cast to fp16")
+                problems.append(f"with {label} the {what} are wrong (expected {hint})")
+        if any(p.grad is not None and bool(p.grad.any()) for p in device):
+            problems.append(f"with {label} the device gradients were left behind (set them to None)")
+        if any(m.grad is not None and bool(m.grad.any()) for m in master):
+            problems.append(f"with {label} the master gradients were not zeroed for the next step")
+    ok = not problems
+    if verbose:
+        if ok:
+            print("✓ two_copy_step: correct with finite gradients, an overflow, and streamed gradients.")
+        else:
+            print("✗ two_copy_step: " + "; ".join(problems) + ".")
+    return ok
 
 
-class StreamedGradTrainer(MasterCopyTrainer):
-    """The recipe with gradients streamed to the CPU during backward (issue 12).
+# ----------------------------------------------------------------------------------------------
+# the micro-batch that fits a card
+# ----------------------------------------------------------------------------------------------
+def largest_fitting_micro_batch(peak_for: Callable, budget_bytes: int, start: int):
+    """Halve the micro-batch from ``start`` until one step fits a card of ``budget_bytes``.
 
-    A ``register_post_accumulate_grad_hook`` on every device parameter fires as soon as backward
-    has finished that parameter's gradient. The hook copies the gradient into a CPU staging
-    buffer (pinned memory on CUDA, on a side CUDA stream so the copy overlaps the rest of
-    backward), adds it to the fp32 master gradient (accumulating across micro-batches in fp32),
-    and sets ``param.grad = None`` so its GPU memory is freed at once. ``step()`` then has no
-    copy to do: it unscales, checks for inf/NaN, steps and copies the weights back, exactly like
-    :class:`MasterCopyTrainer`. Call :meth:`remove_hooks` when done with the trainer.
+    ``peak_for(micro_batch)`` returns the step's tensor peak: a number of bytes, or a report with
+    ``peak_bytes`` (:func:`predict_gpu_peak`'s). "Fits" counts what the card holds besides the
+    tensors: :func:`course_utils.hardware.gpu_bytes_needed` (allocator reserve + CUDA context).
+    Returns ``(micro_batch, what peak_for returned, bytes needed)``; raises ``ValueError`` when not
+    even a micro-batch of 1 fits.
     """
+    from .hardware import gpu_bytes_needed
 
-    variant = "streamed"
-
-    def __init__(self, model: nn.Module, optimizer="adam8bit", **kwargs):
-        super().__init__(model, optimizer, **kwargs)
-        real_cuda = (torch.cuda.is_available() and self.device_params[0].is_cuda
-                     and not _is_fake(self.device_params[0]))
-        # staging buffers: one per parameter, in the device dtype, allocated once
-        self._staging = [
-            torch.empty(p.shape, dtype=p.dtype, device=self.host_device, pin_memory=real_cuda) for p in self.device_params
-        ]
-        self._copy_stream = torch.cuda.Stream(device=self.device_params[0].device) if real_cuda else None
-        self._pending: collections.deque = collections.deque()  # (index, cuda event) copies in flight
-        self._pending_ids: set[int] = set()
-        self.bytes_to_host = 0  # bytes of gradient copied device -> host so far
-        self._handles = [
-            p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self.device_params)
-        ]
-
-    def _make_hook(self, index: int) -> Callable:
-        def hook(param: torch.Tensor) -> None:
-            self._on_grad(index, param)
-
-        return hook
-
-    def _on_grad(self, i: int, param: torch.Tensor) -> None:
-        grad = param.grad
-        if grad is None:  # pragma: no cover - the hook only fires with a gradient
-            return
-        buf = self._staging[i]
-        self.bytes_to_host += grad.numel() * grad.element_size()
-        with torch.no_grad():
-            if self._copy_stream is None:
-                buf.copy_(grad)
-                self.master_params[i].grad.add_(buf)  # fp32 += fp16/bf16/fp32, in place
-            else:
-                if i in self._pending_ids:  # the previous micro-batch's copy of this tensor is still queued
-                    self._drain(block=True)
-                compute = torch.cuda.current_stream(grad.device)
-                self._copy_stream.wait_stream(compute)  # the gradient is ready on the compute stream
-                with torch.cuda.stream(self._copy_stream):
-                    buf.copy_(grad, non_blocking=True)
-                grad.record_stream(self._copy_stream)  # keep its memory until the copy is done
-                event = torch.cuda.Event()
-                event.record(self._copy_stream)
-                self._pending.append((i, event))
-                self._pending_ids.add(i)
-                self._drain(block=False)  # sum on the CPU whatever has already arrived
-        param.grad = None  # free the device gradient now
-
-    def _drain(self, block: bool) -> None:
-        while self._pending and (block or self._pending[0][1].query()):
-            i, event = self._pending.popleft()
-            event.synchronize()
-            self._pending_ids.discard(i)
-            self.master_params[i].grad.add_(self._staging[i])
-
-    def backward(self, loss: torch.Tensor) -> None:
-        super().backward(loss)
-        self._drain(block=True)
-
-    def _collect_grads(self) -> None:
-        self._drain(block=True)  # the master gradients already hold the sum
-        for p in self.device_params:  # a loss.backward() without the hooks would leave grads here
-            if p.grad is not None:
-                raise RuntimeError("A device gradient was not streamed: were the hooks removed before backward?")
-
-    def remove_hooks(self) -> None:
-        """Detach the gradient hooks from the device model (the trainer can no longer train it)."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+    if not callable(peak_for):
+        raise TypeError("peak_for must be a function micro_batch -> tensor peak (bytes or a report).")
+    budget = positive_int(budget_bytes, "budget_bytes")
+    micro_batch = positive_int(start, "start")
+    tried = []
+    while True:
+        result = peak_for(micro_batch)
+        peak = getattr(result, "peak_bytes", result)
+        if isinstance(peak, bool) or not isinstance(peak, int) or peak < 0:
+            raise TypeError(f"peak_for({micro_batch}) must give a whole number of bytes, not {peak!r}.")
+        needed = gpu_bytes_needed(peak)
+        tried.append(f"{micro_batch}: {needed / 2**30:.2f} GiB")
+        if needed <= budget:
+            return micro_batch, result, needed
+        if micro_batch == 1:
+            raise ValueError(f"Not even a micro-batch of 1 fits {budget / 2**30:.2f} GiB (needed: {', '.join(tried)}); "
+                             "use a shorter sequence, a smaller model, or a larger card.")
+        micro_batch //= 2
 
 
 # ----------------------------------------------------------------------------------------------
@@ -439,11 +328,12 @@ def predict_gpu_peak(config_or_name="gpt2-xl", *, variant: str = "recipe", micro
     """Predict the GPU peak of one micro-step (forward + backward) of the capstone, with fake tensors.
 
     Builds the GPT-2 model under ``FakeTensorMode`` (shapes, no memory) in ``dtype`` with
-    gradient checkpointing, wraps it in :class:`MasterCopyTrainer` (``variant='recipe'``: every
-    gradient stays on the GPU until the step) or :class:`StreamedGradTrainer` (``'streamed'``:
-    gradients leave during backward), and measures one forward + backward with
-    :func:`course_utils.memory.measure_memory`. The CPU side (master copy, staging buffers) is
-    allocated before the measurement and is not counted. GPT-2-XL costs about 75 s on 2 cores.
+    gradient checkpointing and measures one forward + backward with
+    :func:`course_utils.memory.measure_memory`. ``variant='recipe'``: every gradient stays on the
+    GPU until the step; ``'streamed'``: each gradient leaves the GPU as soon as backward has produced
+    it (a ``register_post_accumulate_grad_hook`` frees it, as notebook 06's streaming hook does after
+    queueing its copy). The CPU side (master copy, staging buffers) is not device memory and is not
+    counted. GPT-2-XL costs about 10-20 s on 2 cores.
 
     Returns the :class:`course_utils.memory.MemoryReport`.
     """
@@ -462,34 +352,33 @@ def predict_gpu_peak(config_or_name="gpt2-xl", *, variant: str = "recipe", micro
     config = models.gpt2_config(config_or_name, **overrides) if isinstance(config_or_name, str) else config_or_name
     if seq_len > config.n_positions:
         raise ValueError(f"seq_len {seq_len} is longer than the model's context ({config.n_positions} tokens).")
-    cls = MasterCopyTrainer if variant == "recipe" else StreamedGradTrainer
     with models.fake_mode():
         with torch.device(device):
             model = models.build_gpt2(config, dtype=dtype)
         enable_checkpointing(model)
         model.train()
-        # with a fake "GPU" on the CPU, keep the host side on 'meta' so it is not measured as device memory
-        trainer = cls(model, optimizer="adam8bit", host_device="meta" if device == "cpu" else "cpu")
+        handles = ([p.register_post_accumulate_grad_hook(_free_grad) for p in model.parameters()]
+                   if variant == "streamed" else [])
 
         def micro_step():
             ids = torch.randint(0, config.vocab_size, (micro_batch, seq_len), device=device)
-            loss = model(input_ids=ids, labels=ids).loss
-            trainer.backward(loss)
+            model(input_ids=ids, labels=ids).loss.backward()
 
-        with warnings.catch_warnings():  # MemTracker warns about the `param.grad = None` the hooks leave
+        with warnings.catch_warnings():  # MemTracker warns about the hooks' `grad = None`
             warnings.filterwarnings("ignore", message="Expected a tensor or a traceable wrapper-subclass")
             report = measure_memory(micro_step, model=model)
-    if variant == "streamed":
-        trainer.remove_hooks()
+    for handle in handles:
+        handle.remove()
     return report
+
+
+def _free_grad(param: torch.Tensor) -> None:
+    param.grad = None  # the streamed variant's device side: the gradient is gone once copied
 
 
 # ----------------------------------------------------------------------------------------------
 # PCIe arithmetic
 # ----------------------------------------------------------------------------------------------
-PCIE_GBPS = {"PCIe 3.0 x16": 16.0, "PCIe 4.0 x16": 32.0}  # nominal, GB/s per direction (1e9 bytes)
-
-
 def pcie_bytes_per_step(n_params: int, *, variant: str = "recipe", accum_steps: int = 16,
                         grad_bytes: int = 2, weight_bytes: int = 2) -> dict:
     """Bytes crossing PCIe per optimizer step: gradients device->host, weights host->device.
@@ -541,14 +430,20 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(path, trainer: MasterCopyTrainer, *, step: int, data_position: int, extra: dict | None = None) -> Path:
-    """Write trainer state + step + RNG + data position to ``path`` atomically.
+def _check_trainer(trainer) -> None:
+    if not (callable(getattr(trainer, "state_dict", None)) and callable(getattr(trainer, "load_state_dict", None))):
+        raise TypeError(f"trainer must have state_dict() and load_state_dict() (the notebook's trainers do), "
+                        f"not {type(trainer).__name__}.")
+
+
+def save_checkpoint(path, trainer, *, step: int, data_position: int, extra: dict | None = None) -> Path:
+    """Write ``trainer.state_dict()`` + step + RNG + data position to ``path`` atomically.
 
     The file is written to ``path.tmp`` and renamed with ``os.replace``: a session that dies
-    mid-write leaves the previous checkpoint whole.
+    mid-write leaves the previous checkpoint whole. ``trainer.variant`` (if any) is saved too, so a
+    checkpoint of one trainer is never loaded into another kind.
     """
-    if not isinstance(trainer, MasterCopyTrainer):
-        raise TypeError(f"trainer must be a MasterCopyTrainer or StreamedGradTrainer, not {type(trainer).__name__}.")
+    _check_trainer(trainer)
     for name, value in (("step", step), ("data_position", data_position)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"{name} must be a whole number >= 0, not {value!r}.")
@@ -556,31 +451,30 @@ def save_checkpoint(path, trainer: MasterCopyTrainer, *, step: int, data_positio
         raise TypeError(f"extra must be a dict (e.g. {{'losses': [...]}}) or None, not {type(extra).__name__}.")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    payload = {"trainer": trainer.state_dict(), "step": step, "data_position": data_position,
-               "rng": rng_state(), "extra": extra or {}}
+    payload = {"trainer": trainer.state_dict(), "variant": getattr(trainer, "variant", None), "step": step,
+               "data_position": data_position, "rng": rng_state(), "extra": extra or {}}
     tmp = path.with_name(path.name + ".tmp")
     torch.save(payload, tmp)
     os.replace(tmp, path)
     return path
 
 
-def load_checkpoint(path, trainer: MasterCopyTrainer) -> dict | None:
-    """Resume from ``path`` if it exists: restores the trainer and the RNGs.
+def load_checkpoint(path, trainer) -> dict | None:
+    """Resume from ``path`` if it exists: ``trainer.load_state_dict(...)`` and the RNGs.
 
     Returns ``{'step', 'data_position', 'extra'}``, or None when there is no checkpoint yet.
     Only load checkpoints you wrote: the file holds pickled Python objects (RNG states).
     """
-    if not isinstance(trainer, MasterCopyTrainer):
-        raise TypeError(f"trainer must be a MasterCopyTrainer or StreamedGradTrainer, not {type(trainer).__name__}.")
+    _check_trainer(trainer)
     path = Path(path)
     if not path.exists():
         return None
     payload = torch.load(path, map_location="cpu", weights_only=False)
     if not isinstance(payload, dict) or "trainer" not in payload:
         raise ValueError(f"{path.name} is not a capstone checkpoint; delete it to start over.")
-    if payload["trainer"].get("variant") != trainer.variant:
+    if payload.get("variant") != getattr(trainer, "variant", None):
         raise ValueError(
-            f"{path.name} was saved by the {payload['trainer'].get('variant')!r} trainer, not {trainer.variant!r}; "
+            f"{path.name} was saved by the {payload.get('variant')!r} trainer, not {getattr(trainer, 'variant', None)!r}; "
             "use a separate checkpoint file per variant."
         )
     trainer.load_state_dict(payload["trainer"])
