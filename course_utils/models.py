@@ -1,13 +1,32 @@
 """Model builders the notebooks share: GPT-2 from its real configs (random weights, the exact
 shapes and so the exact memory of the pretrained models), and fake-tensor builds of models too
 big for the machine.
+
+Attention, as each device runs it (``build_gpt2(attention=...)``):
+
+- ``'math'`` (transformers' ``attn_implementation='eager'``): matmul, softmax, dropout, matmul,
+  written out. Backward needs the T x T softmax output, the dropout mask and the dropped
+  probabilities: memory grows with the sequence length squared.
+- ``'fused'`` (``'sdpa'``, PyTorch's ``scaled_dot_product_attention``): on CUDA one fused kernel,
+  flash attention for fp16/bf16 on compute capability >= 8.0, otherwise (fp32, or a T4) the
+  memory-efficient kernel. It keeps its output, the log-sum-exp of each row (fp32, B x H x T) and
+  the dropout RNG's seed and offset: nothing T x T. A CPU training with dropout falls back to the
+  math kernel.
+
+Fake tensors on a machine without a GPU cannot show this by themselves: PyTorch's kernel choice
+asks the GPU and finds none, and backward on fake CUDA tensors asks for a CUDA context.
+:func:`as_on_cuda` closes the gap (see its docstring); ``tests/test_models.py`` checks that
+fake CPU tensors under it save what fake CUDA tensors save in a forward pass.
 """
 from __future__ import annotations
 
 import contextlib
+import copy
 
 import torch
 from torch import nn
+
+ATTENTION = {"math": "eager", "fused": "sdpa"}  # the course's name -> transformers' attn_implementation
 
 # The real GPT-2 family configs (Radford et al. 2019; Hugging Face's gpt2, gpt2-medium, -large, -xl).
 GPT2_SIZES = {
@@ -48,15 +67,23 @@ def default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(old)
 
 
-def build_gpt2(config_or_name="gpt2-xl", *, dtype: torch.dtype = torch.float32, **overrides) -> nn.Module:
+def build_gpt2(config_or_name="gpt2-xl", *, dtype: torch.dtype = torch.float32, attention: str | None = None,
+               **overrides) -> nn.Module:
     """A GPT2LMHeadModel with random weights from a config or a size name.
 
+    ``attention``: 'math' or 'fused' (see the module docstring); None keeps transformers' default.
     Call it inside ``torch._subclasses.fake_tensor.FakeTensorMode()`` to get a model whose
     tensors have shapes and dtypes but no memory (see :func:`fake_mode`).
     """
     from transformers import GPT2LMHeadModel
 
+    if attention is not None and attention not in ATTENTION:
+        raise ValueError(f"attention must be one of {sorted(ATTENTION)} (or None for transformers' default), "
+                         f"not {attention!r}.")
     config = gpt2_config(config_or_name, **overrides) if isinstance(config_or_name, str) else config_or_name
+    if attention is not None:
+        config = copy.deepcopy(config)  # the caller's config stays as it was
+        config._attn_implementation = ATTENTION[attention]
     with default_dtype(dtype):
         model = GPT2LMHeadModel(config)
     model.loss_type = "ForCausalLM"  # name the loss, so transformers does not warn that it guessed
@@ -71,6 +98,71 @@ def fake_mode():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+@contextlib.contextmanager
+def as_on_cuda():
+    """Inside ``with as_on_cuda():``, fake tensors save for backward what CUDA's kernels save.
+
+    Two functions differ between a CPU and CUDA, and this context routes them as CUDA does:
+
+    - ``F.dropout`` in training: CUDA runs ``torch.native_dropout``, which keeps a bool mask
+      (1 byte per element); the CPU's dropout keeps a mask in the input's dtype (4 bytes in fp32).
+    - ``F.scaled_dot_product_attention`` on fake tensors: calls the kernel a GPU picks, directly
+      (flash attention for fp16/bf16 without a mask, else the memory-efficient kernel), because
+      PyTorch's kernel choice cannot run without a GPU. Their saved tensors are those of the kernels'
+      autograd formulas: the output, the log-sum-exp and the RNG state. Batches are priced without
+      padding: the boolean mask transformers builds for fake tensors (it cannot read their values to
+      see there is no padding) is dropped, as a real run passes none.
+
+    One difference remains, too small to matter: for fp16 inputs CUDA's layer norm keeps its mean and
+    1/std in fp32, a CPU in fp16 (2 bytes more per token per norm on CUDA).
+
+    The two are swapped in ``torch.nn.functional`` for the duration (backward included, where
+    checkpointing recomputes forward), then restored. Real tensors keep their device's attention (a
+    CPU has no fused kernel for training with dropout).
+    """
+    functional = nn.functional
+    dropout, sdpa = functional.dropout, functional.scaled_dot_product_attention
+
+    def attention(query, key, value, *args, **kwargs):
+        if _is_fake(query):
+            return _fused_attention(query, key, value, *args, **kwargs)
+        return sdpa(query, key, value, *args, **kwargs)
+
+    functional.dropout, functional.scaled_dot_product_attention = _native_dropout, attention
+    try:
+        yield
+    finally:
+        functional.dropout, functional.scaled_dot_product_attention = dropout, sdpa
+
+
+def _is_fake(t) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
+
+
+def _native_dropout(input, p=0.5, training=True, inplace=False):
+    if not training or p == 0:
+        return input
+    return torch.native_dropout(input, p, True)[0]
+
+
+def _fused_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    if enable_gqa:
+        raise NotImplementedError("as_on_cuda prices attention without grouped-query heads (GPT-2, BERT).")
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        # transformers builds this boolean mask only because it cannot read a fake tensor's values; for a
+        # batch without padding a real run passes none (the kernels save the same, causal or not)
+        attn_mask = None
+    aten = torch.ops.aten
+    if query.dtype in (torch.float16, torch.bfloat16) and attn_mask is None:  # flash attention
+        return aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal, False,
+                                                        scale=scale)[0]
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+    return aten._scaled_dot_product_efficient_attention(query, key, value, attn_mask, needs_grad, dropout_p,
+                                                        is_causal, scale=scale)[0]
 
 
 def mlp(n_layers: int = 4, width: int = 512, in_features: int = 784, n_classes: int = 10) -> nn.Sequential:

@@ -5,7 +5,8 @@ matplotlib.use("Agg")
 
 import pytest  # noqa: E402
 
-from course_utils import planner_widget as pw  # noqa: E402
+from course_utils import planner  # noqa: E402
+from course_utils.planner import widget as pw  # noqa: E402
 
 
 def test_render_good_input_draws_a_chart():
@@ -14,6 +15,20 @@ def test_render_good_input_draws_a_chart():
     assert result.ok and result.figure is not None
     assert "does NOT fit" in result.message and "Cheapest set that fits" in result.message
     assert result.recommendation.plan.fits
+
+
+def test_chart_legend_and_budget_label_cover_nothing():
+    result = pw.render(model="gpt2-xl", micro_batch=4, size=1024, accumulation=8, show=False)
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    fig = result.figure
+    ax = fig.axes[0]
+    renderer = FigureCanvasAgg(fig).get_renderer()
+    legend = ax.get_legend().get_window_extent(renderer)
+    axes_box = ax.get_window_extent(renderer)
+    assert legend.x0 >= axes_box.x1  # beside the bars, not over them
+    assert any("RTX 3060" in t.get_text() for t in ax.get_legend().get_texts())  # the budget is named there
+    assert not ax.texts  # so no label on the chart can collide with the title
 
 
 @pytest.mark.parametrize("kwargs,text", [
@@ -36,8 +51,14 @@ def test_render_budget_nothing_fits_keeps_the_chart_and_says_why():
     assert result.ok and "Nothing fits" in result.message
 
 
+def test_render_attention_math_needs_more_than_fused():
+    kw = dict(model="gpt2-medium", micro_batch=8, size=1024, search=False, show=False)
+    math_path, fused = pw.render(attention="math", **kw), pw.render(attention="fused (SDPA)", **kw)
+    assert math_path.plan.peak_bytes > fused.plan.peak_bytes
+
+
 def test_widget_builds_and_reacts():
-    box = pw.planner_widget()
+    box = planner.planner_widget()
     assert box.last_result.ok
     box.controls["micro_batch"].value = 0  # a bad value: message, no exception
     assert not box.last_result.ok and "micro_batch must be positive" in box.last_result.message
@@ -46,3 +67,13 @@ def test_widget_builds_and_reacts():
     assert box.controls["master_on_cpu"].value and box.last_result.ok
     box.controls["model"].value = pw.MODEL_LABELS["efficientnet_b0"]
     assert box.controls["size"].value == 224 and box.last_result.ok
+
+
+def test_widget_set_changes_model_and_gpu_and_returns_the_verdict():
+    box = planner.planner_widget()
+    text = box.set(model="gpt2", gpu="A100 (80 GB)", micro_batch=8, size=512, accumulation=1)
+    assert text.startswith("gpt2 on A100 (80 GB)") and "-> fits" in text
+    text = box.set(model="gpt2-xl", gpu="T4 (16 GB)", micro_batch=4, size=1024)
+    assert "gpt2-xl on T4 (16 GB)" in text and "does NOT fit" in text
+    with pytest.raises(ValueError, match="No control named"):
+        box.set(colour="red")

@@ -1,0 +1,105 @@
+"""The search: the cheapest set of the course's techniques that fits a GPU.
+
+Every combination of smaller micro-batches (more accumulation steps), checkpointing, lower
+precision, 8-bit Adam, the optimizer and fp32 master weights on the CPU and streamed gradients
+is predicted (:func:`.model.predict_settings`); of those that fit, the one with the lowest
+predicted time per optimizer step wins (ties: fewer techniques). The device, the attention and
+the loop (``keep_outputs``) stay as given: they describe the run, they are not techniques.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, replace
+
+from ..units import GIB
+from .model import CHECKPOINTING, Plan, Settings, make_settings, predict_settings, technique_notebook
+from .specs import GPUSpec, get_gpu, get_model
+
+
+@dataclass
+class Recommendation:
+    """The plan the search picked, what it turns on, and the notebooks that teach it."""
+
+    plan: Plan
+    baseline: Plan
+    techniques: list
+    notebooks: dict
+    slowdown: float  # predicted step time / the baseline's
+    candidates: int
+
+    def summary(self) -> str:
+        if not self.techniques:
+            head = f"{self.baseline.model.name} fits {self.baseline.gpu.name} as it is: nothing to turn on."
+        else:
+            head = (f"Cheapest set that fits (by the planner's time model, {self.slowdown:.2f}x the baseline's "
+                    f"predicted step time):")
+        lines = [head]
+        for t in self.techniques:
+            lines.append(f"  - {t}  ->  notebooks/{self.notebooks[t]}")
+        lines.append(f"  predicted peak {self.plan.peak_bytes / GIB:.2f} GiB of {self.plan.gpu.memory_gib:.1f} GiB "
+                     f"(baseline {self.baseline.peak_bytes / GIB:.2f} GiB)")
+        return "\n".join(lines)
+
+    __str__ = summary
+
+
+def candidate_settings(base: Settings, gpu: GPUSpec):
+    """Every combination the search tries, from the user's ``base`` settings."""
+    splits = [f for f in (1, 2, 4, 8, 16, 32, 64, 128) if f <= base.micro_batch and base.micro_batch % f == 0]
+    precisions = [base.precision]
+    for p in (("bf16_amp", "bf16") if gpu.bf16 else ("fp16_amp", "fp16")):
+        if base.precision == "fp32" or (base.precision.endswith("_amp") and p in ("fp16", "bf16")):
+            precisions.append(p)
+    optimizers = [base.optimizer] + (["adam8bit"] if base.optimizer in ("adam", "adamw") else [])
+    ckpts = [base.checkpointing] if base.checkpointing != "none" else list(CHECKPOINTING)
+    offloads = [(base.master_on_cpu, base.stream_grads)] + [
+        o for o in ((True, False), (True, True)) if o != (base.master_on_cpu, base.stream_grads) and
+        (not base.master_on_cpu or o[0]) and (not base.stream_grads or o[1])]
+    for f, p, o, c, (m, st) in itertools.product(splits, precisions, optimizers, ckpts, offloads):
+        yield replace(base, micro_batch=base.micro_batch // f, accumulation=base.accumulation * f,
+                      precision=p, optimizer=o, checkpointing=c, master_on_cpu=m, stream_grads=st)
+
+
+def cheapest_fit(model, gpu="RTX 3060 (12 GB)", *, micro_batch, size=None, accumulation=1, checkpointing="none",
+                 precision="fp32", optimizer="adam", master_on_cpu=False, stream_grads=False, attention=None,
+                 keep_outputs=True) -> Recommendation:
+    """The set of the course's techniques that fits ``gpu`` at the lowest predicted step time.
+
+    The effective batch (micro_batch x accumulation) is kept; the search may split the
+    micro-batch (more accumulation steps), checkpoint, lower the precision, switch Adam to 8-bit
+    Adam, move the optimizer and fp32 master weights to the CPU and stream gradients there.
+    "Fits" means tensors + allocator reserve + CUDA context fit the card. Ties go to fewer
+    techniques. Raises ValueError when nothing fits, saying what to change.
+    """
+    model = get_model(model)
+    gpu = get_gpu(gpu)
+    base = make_settings(model, micro_batch=micro_batch, size=size, accumulation=accumulation,
+                         checkpointing=checkpointing, precision=precision, optimizer=optimizer,
+                         master_on_cpu=master_on_cpu, stream_grads=stream_grads, attention=attention,
+                         keep_outputs=keep_outputs)
+    baseline = predict_settings(model, gpu, base)
+    if baseline.fits:  # nothing to turn on; faster options are the learner's choice
+        return Recommendation(plan=baseline, baseline=baseline, techniques=[], notebooks={}, slowdown=1.0,
+                              candidates=1)
+    best, count, smallest = None, 0, None
+    for s in candidate_settings(base, gpu):
+        count += 1
+        p = predict_settings(model, gpu, s)
+        if smallest is None or p.peak_bytes < smallest.peak_bytes:
+            smallest = p
+        if not p.fits:
+            continue
+        key = (round(p.step_seconds, 6), len(s.techniques(base)), p.peak_bytes)
+        if best is None or key < best[0]:
+            best = (key, p)
+    if best is None:
+        raise ValueError(
+            f"Nothing fits: {model.name} needs at least {smallest.peak_bytes / GIB:.2f} GiB even with every technique "
+            f"({', '.join(smallest.settings.techniques(base))}) and micro-batch {smallest.settings.micro_batch}, "
+            f"but {gpu.name} has {gpu.memory_gib:.1f} GiB. Choose a GPU with more memory, a shorter sequence / "
+            f"smaller image, or a smaller model; or shard across GPUs (notebooks/07_beyond_one_gpu.ipynb).")
+    plan = best[1]
+    techniques = plan.settings.techniques(base)
+    return Recommendation(plan=plan, baseline=baseline, techniques=techniques,
+                          notebooks={t: technique_notebook(t) for t in techniques},
+                          slowdown=plan.step_seconds / baseline.step_seconds, candidates=count)

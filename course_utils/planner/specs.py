@@ -1,0 +1,256 @@
+"""What the planner knows about GPUs and models: the presets in ``presets.json``, and your own.
+
+``presets.json`` (package data) holds every figure: each GPU's memory, speeds and PCIe link, and
+each model's parameter counts and activation coefficients, measured by :mod:`.measure`
+(``tests/test_planner.py`` re-measures a sample of them). The link speeds themselves come from
+``course_utils.hardware.PCIE_GB_PER_S``, the course's one PCIe table.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+from importlib import resources
+
+from ..hardware import PCIE_EFFICIENCY, PCIE_GB_PER_S
+from ..units import GIB, MIB
+from ..validation import positive_int, positive_number
+
+DEFAULT_LINK = "PCIe 4.0 x16"
+
+
+@lru_cache(maxsize=1)
+def presets() -> dict:
+    """The parsed ``presets.json``: {'gpus': {...}, 'models': {...}}."""
+    return json.loads(resources.files(__package__).joinpath("presets.json").read_text(encoding="utf-8"))
+
+
+# --------------------------------------------------------------------------------------------
+# GPUs
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class GPUSpec:
+    """A GPU: memory as nvidia-smi reports it, and the speeds the time model uses.
+
+    ``pcie`` names the host link (a key of ``hardware.PCIE_GB_PER_S``); copies between pinned host
+    memory and the GPU run at ``hardware.PCIE_EFFICIENCY`` of the link's rate (:attr:`pcie_gbs`).
+    """
+
+    name: str
+    memory_bytes: int
+    fp32_tflops: float = 12.7
+    half_tflops: float = 25.0  # fp16/bf16 on tensor cores, fp32 accumulate
+    bf16: bool = True  # native bf16 (compute capability >= 8.0)
+    mem_bandwidth_gbs: float = 360.0
+    pcie: str = DEFAULT_LINK
+
+    @property
+    def memory_gib(self) -> float:
+        return self.memory_bytes / GIB
+
+    @property
+    def pcie_gbs(self) -> float:
+        """Host <-> device copy speed the time model uses, GB/s."""
+        return PCIE_GB_PER_S[self.pcie] * PCIE_EFFICIENCY
+
+
+def _gpu_from_data(name: str, d: dict) -> GPUSpec:
+    return GPUSpec(name, d["memory_mib"] * MIB, d["fp32_tflops"], d["half_tflops"], d["bf16"],
+                   d["mem_bandwidth_gbs"], d["pcie"])
+
+
+@lru_cache(maxsize=1)
+def gpu_presets() -> dict:
+    """{name: GPUSpec} of the preset GPUs."""
+    return {name: _gpu_from_data(name, d) for name, d in presets()["gpus"].items()}
+
+
+def _gpu_aliases() -> dict:
+    return {alias: name for name, d in presets()["gpus"].items() for alias in d.get("aliases", ())}
+
+
+def custom_gpu(memory_gib: float, *, name: str = "custom GPU", **speeds) -> GPUSpec:
+    """A GPU you describe: its memory in GiB (speeds default to an RTX 3060's).
+
+    ``speeds``: fp32_tflops, half_tflops, bf16, mem_bandwidth_gbs, pcie (a link name such as
+    'PCIe 3.0 x16').
+    """
+    positive_number(memory_gib, "memory_gib", "e.g. custom_gpu(6) for a 6 GiB card")
+    for key, value in speeds.items():
+        if key not in ("fp32_tflops", "half_tflops", "bf16", "mem_bandwidth_gbs", "pcie"):
+            raise ValueError(f"Unknown GPU field {key!r}; use fp32_tflops, half_tflops, bf16, mem_bandwidth_gbs, pcie.")
+        if key == "pcie" and value not in PCIE_GB_PER_S:
+            raise ValueError(f"Unknown PCIe link {value!r}; choose one of {list(PCIE_GB_PER_S)}.")
+        if key == "bf16" and not isinstance(value, bool):
+            raise TypeError(f"bf16 must be True or False, not {value!r}.")
+        if key not in ("bf16", "pcie"):
+            positive_number(value, key, "speeds are positive numbers")
+    return GPUSpec(name, int(memory_gib * GIB), **speeds)
+
+
+def get_gpu(gpu) -> GPUSpec:
+    """A GPUSpec from a preset name ('RTX 3060 (12 GB)', '3060', 'T4', ...), a number of GiB, or a GPUSpec."""
+    if isinstance(gpu, GPUSpec):
+        return gpu
+    if isinstance(gpu, (int, float)) and not isinstance(gpu, bool):
+        return custom_gpu(gpu, name=f"custom GPU ({gpu:g} GiB)")
+    if isinstance(gpu, str):
+        table = gpu_presets()
+        if gpu in table:
+            return table[gpu]
+        key = "".join(ch for ch in gpu.lower() if ch.isalnum())
+        aliases = _gpu_aliases()
+        if key in aliases:
+            return table[aliases[key]]
+        raise ValueError(f"Unknown GPU {gpu!r}; choose one of {list(table)}, or pass its memory in GiB (e.g. 6).")
+    raise TypeError(f"gpu must be a preset name, a memory size in GiB or a GPUSpec, not {type(gpu).__name__}.")
+
+
+# --------------------------------------------------------------------------------------------
+# Models
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ActCoeffs:
+    """Activation bytes per sample at one precision, as ``lin * u + quad * u**2``.
+
+    ``u`` is the sequence length (transformers), (image size / reference size)**2 (CNNs) or 1.
+    Per block: ``block`` (saved by the block), ``boundary`` (the block's input: what a
+    checkpoint keeps), ``largest`` (its largest saved tensor). ``stem``: saved before the first
+    block (embeddings, a CNN's first convolution); ``head``: saved after (classifier, loss).
+    ``output``: what forward returns that autograd does not keep (the logits): alive through
+    backward only while the training loop holds the outputs.
+    """
+
+    block: tuple  # tuple of (lin, quad) per block
+    boundary: tuple  # tuple of lin per block
+    largest: tuple  # tuple of (lin, quad) per block
+    head: tuple  # (lin, quad)
+    stem: tuple = (0.0, 0.0)  # (lin, quad)
+    output: tuple = (0.0, 0.0)  # (lin, quad)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the planner needs to know about a model.
+
+    ``acts[pricing][kind]``: the activation coefficients. ``pricing`` says whose kernels they
+    describe: 'cpu' (the CPU's: math attention, dropout masks in the activations' dtype),
+    'cuda-math' / 'cuda-fused' (CUDA's, with math or fused attention: transformers), 'cuda'
+    (CUDA's, models without attention) or 'any' (a model you describe). ``kind``: 'fp32' (fp32
+    weights), 'amp' (fp32 weights under autocast), 'half' (fp16/bf16 weights).
+    """
+
+    name: str
+    family: str  # 'transformer', 'vision', 'mlp' or 'custom'
+    n_params: int
+    block_params: tuple  # parameters of each block
+    largest_tensor: int  # numel of the largest parameter tensor
+    acts: dict  # pricing -> precision kind -> ActCoeffs
+    output_per_unit: float  # elements of the model's output (logits) per sample per unit u
+    fwd_flops_per_unit: float  # forward FLOPs per sample per unit u (transformers: per token)
+    unit: str = "sample"  # what u is: 'token', 'image area' or 'sample'
+    ref_size: int = 1  # reference image size for vision models (u = (size/ref)**2)
+    default_size: int = 1  # default sequence length or image size
+    max_size: int | None = None  # longest sequence the model reads (transformers)
+
+    @property
+    def n_blocks(self) -> int:
+        return len(self.block_params)
+
+    @property
+    def head_params(self) -> int:
+        return self.n_params - sum(self.block_params)
+
+    @property
+    def has_attention(self) -> bool:
+        return any(key.startswith("cuda-") for key in self.acts)
+
+    def coeffs(self, device: str, attention: str, kind: str) -> ActCoeffs:
+        """The coefficients for a device ('cuda' or 'cpu'), an attention ('math' or 'fused') and a kind."""
+        for key in (f"{device}-{attention}", device, "any"):
+            if key in self.acts:
+                if kind not in self.acts[key]:
+                    raise ValueError(f"{self.name} was measured for {sorted(self.acts[key])} only, not {kind!r}: "
+                                     f"measure it with kinds including {kind!r}, or choose another precision.")
+                return self.acts[key][kind]
+        raise ValueError(f"{self.name} was measured for {sorted(self.acts)} only, not for {device} with {attention} "
+                         "attention: measure it for that device, or choose another.")
+
+
+def _uniform(n, value):
+    return tuple(value for _ in range(n))
+
+
+def custom_model(n_params: int, activation_bytes_per_sample: float, *, n_blocks: int = 12,
+                 name: str = "custom model") -> ModelSpec:
+    """A model you describe by its parameter count and its fp32 activation bytes per sample.
+
+    The activations are spread evenly over ``n_blocks`` blocks (inputs = 1/8 of a block's
+    activations, largest saved tensor = 1/4: typical of a transformer layer); under mixed
+    precision or pure half they are assumed to halve (measured: 0.55-0.6 for GPT-2).
+    """
+    n_params = positive_int(n_params, "n_params", "e.g. 350_000_000", whole_floats=True)
+    positive_number(activation_bytes_per_sample, "activation_bytes_per_sample",
+                    "measure it with course_utils.estimate.activation_bytes(model, one_sample)")
+    n_blocks = positive_int(n_blocks, "n_blocks", "e.g. 12", whole_floats=True)
+    per_block = activation_bytes_per_sample / n_blocks
+
+    def coeffs(scale):
+        a = per_block * scale
+        return ActCoeffs(block=_uniform(n_blocks, (a, 0.0)), boundary=_uniform(n_blocks, a / 8),
+                         largest=_uniform(n_blocks, (a / 4, 0.0)), head=(0.0, 0.0))
+
+    return ModelSpec(name=name, family="custom", n_params=n_params,
+                     block_params=_uniform(n_blocks, n_params // n_blocks), largest_tensor=max(n_params // n_blocks, 1),
+                     acts={"any": {"fp32": coeffs(1.0), "amp": coeffs(0.5), "half": coeffs(0.5)}},
+                     output_per_unit=0.0, fwd_flops_per_unit=2.0 * n_params, unit="sample")
+
+
+def model_presets() -> list[str]:
+    """Names of the model presets."""
+    return list(presets()["models"])
+
+
+def get_model(model) -> ModelSpec:
+    """A ModelSpec from a preset name ('gpt2-xl', 'bert-base', 'efficientnet_b0', ...) or a ModelSpec."""
+    if isinstance(model, ModelSpec):
+        return model
+    if not isinstance(model, str):
+        raise TypeError(f"model must be a preset name or a ModelSpec (custom_model(...)), not {type(model).__name__}.")
+    if model not in presets()["models"]:
+        raise ValueError(f"Unknown model {model!r}; choose one of {model_presets()}, "
+                         "or describe yours with custom_model(n_params, activation_bytes_per_sample).")
+    return _preset_spec(model)
+
+
+@lru_cache(maxsize=None)
+def _preset_spec(name: str) -> ModelSpec:
+    return spec_from_data(name, presets()["models"][name])
+
+
+def _pair(x) -> tuple:
+    return tuple(float(v) for v in x)
+
+
+def spec_from_data(name: str, d: dict) -> ModelSpec:
+    """A ModelSpec from a preset's data (``presets.json`` or :func:`.measure.measure_spec_data`)."""
+    n = d["n_blocks"]
+    uniform = d.get("uniform", True)  # transformers: one set of coefficients for every (identical) block
+    acts = {}
+    for pricing, by_kind in d["acts"].items():
+        acts[pricing] = {}
+        for kind, c in by_kind.items():
+            if uniform:
+                block, boundary, largest = (_uniform(n, _pair(c["block"])), _uniform(n, float(c["boundary"])),
+                                            _uniform(n, _pair(c["largest"])))
+            else:
+                block, boundary, largest = (tuple(_pair(x) for x in c["block"]), tuple(map(float, c["boundary"])),
+                                            tuple(_pair(x) for x in c["largest"]))
+            acts[pricing][kind] = ActCoeffs(block=block, boundary=boundary, largest=largest, head=_pair(c["head"]),
+                                            stem=_pair(c.get("stem", (0, 0))), output=_pair(c.get("output", (0, 0))))
+    bp = d["block_params"]
+    block_params = _uniform(n, bp) if isinstance(bp, int) else tuple(bp)
+    return ModelSpec(name=name, family=d["family"], n_params=d["n_params"], block_params=block_params,
+                     largest_tensor=d["largest_tensor"], acts=acts, output_per_unit=d["output_per_unit"],
+                     fwd_flops_per_unit=d["fwd_flops_per_unit"], unit=d["unit"], ref_size=d.get("ref_size", 1),
+                     default_size=d.get("default_size", 1), max_size=d.get("max_size"))
