@@ -37,7 +37,11 @@ def ledger_frame(items: Mapping[str, object]):
 
 def plot_ledger(items: Mapping[str, object], *, budget_bytes: int | None = None, budget_label: str = "budget",
                 unit: str = "GiB", ax=None, title: str | None = None):
-    """Stacked horizontal bars, one per scenario, by category; a dashed line at the budget."""
+    """Stacked horizontal bars, one per scenario, by category; a dashed line at the budget.
+
+    The budget is named in the legend (not written on the axes, where it collided with the title), and
+    the legend sits to the right of the bars so it never covers them.
+    """
     import matplotlib.pyplot as plt
 
     if unit not in ("GiB", "MiB"):
@@ -57,11 +61,10 @@ def plot_ledger(items: Mapping[str, object], *, budget_bytes: int | None = None,
         ax.barh(scenarios, widths, left=left, label=category, color=CATEGORY_COLORS.get(category))
         left = [l + w for l, w in zip(left, widths)]
     if budget_bytes is not None:
-        ax.axvline(budget_bytes / scale, color="black", linestyle="--", linewidth=1.5)
-        ax.text(budget_bytes / scale, -0.6, f" {budget_label}", va="top")
+        ax.axvline(budget_bytes / scale, color="black", linestyle="--", linewidth=1.5, label=budget_label)
     ax.invert_yaxis()
     ax.set_xlabel(f"memory ({unit})")
-    ax.legend(loc="lower right", fontsize="small")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small", frameon=False)
     if title:
         ax.set_title(title)
     return ax
