@@ -7,4 +7,6 @@ No notebook imports this package; it uses ``course_utils`` (never the other way 
 - ``colab``         one canonical repository URL for every Colab badge and bootstrap cell (``scripts/sync_colab.py``)
 - ``nbval_plugin``  the pytest plugin for the notebook harness (pyproject's ``-p course_tools.nbval_plugin``)
 - ``preflight``     is this machine ready to run the course (``make check``)
+- ``launcher``      run a script in N processes like ``torchrun``, with a timeout and no orphans
+                    (``python -m course_tools.launcher``; notebook 07 runs it as a command)
 """
