@@ -71,16 +71,18 @@ def _vm_hwm_bytes(pid: int) -> int:
 class KernelMemorySampler:
     """Peak RSS of a kernel process plus the processes it spawns (07's workers), sampled in a thread.
 
-    The kernel's own peak is exact (the kernel's VmHWM). Each child's peak is its VmHWM at the last
-    sample before it exits, so a child living less than ``interval`` seconds can be missed; children's
-    peaks are added to the kernel's although they may not coincide, which errs on the high side.
+    The kernel's own peak is exact (the kernel's VmHWM). The children count by their proportional set
+    size (PSS: pages shared between processes, such as libtorch mapped by every rank, count once, as a
+    session's memory limit counts them), summed over the children alive at each sample; the largest
+    such sum is added to the kernel's peak although the two may not coincide, which errs on the high
+    side. A child living less than ``interval`` seconds can be missed.
     """
 
     def __init__(self, pid: int, interval: float = 0.1):
         import threading
 
         self.pid, self.interval = pid, interval
-        self.children_peak: dict[int, int] = {}
+        self.children_peak = 0
         self.kernel_peak = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="kernel-rss")
@@ -94,8 +96,14 @@ class KernelMemorySampler:
             children = psutil.Process(self.pid).children(recursive=True)
         except Exception:
             return
+        now = 0
         for child in children:
-            self.children_peak[child.pid] = max(self.children_peak.get(child.pid, 0), _vm_hwm_bytes(child.pid))
+            try:
+                info = child.memory_full_info()
+            except Exception:  # exited since the listing, or not ours to read
+                continue
+            now += getattr(info, "pss", info.rss)
+        self.children_peak = max(self.children_peak, now)
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -104,7 +112,7 @@ class KernelMemorySampler:
 
     def peak_bytes(self) -> int:
         self._sample()
-        return self.kernel_peak + sum(self.children_peak.values())
+        return self.kernel_peak + self.children_peak
 
     def stop(self) -> int:
         peak = self.peak_bytes()
