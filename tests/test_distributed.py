@@ -1,20 +1,21 @@
-"""Tests of course_utils.distributed (formulas, launcher) and course_utils.dist_workers.
-
-Four tests start real processes (2 ranks, gloo on CPU): a collective across ranks, a rank that
-hangs (killed at the timeout, no process left behind), a rank that raises (its traceback
-reaches the parent) and a launcher killed by SIGKILL (its ranks exit by themselves).
+"""Tests of course_utils.distributed (ZeRO and pipeline arithmetic, the exercise's check) and of the
+worker scripts notebook 07 writes with ``%%writefile``: the tests take those cells from the notebook
+itself and run them on 2 real processes (gloo, CPU) through the course's launcher.
 """
 import json
 import math
-import time
+from pathlib import Path
 
-import psutil
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
+from course_tools.launcher import launch
 from course_utils import distributed as D
-from course_utils import dist_workers as W
+from course_utils.models import mlp
+
+NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "07_beyond_one_gpu.ipynb"
 
 XL = 1_557_611_200
 
@@ -121,17 +122,7 @@ def test_plots_draw():
     plt.close("all")
 
 
-# ----------------------------------------------------------------------------- offload
-def test_offload_pcie_cost():
-    c = D.offload_pcie_cost(XL, link="pcie3_x16")
-    assert c.bytes_to_cpu == 2 * XL and c.bytes_to_gpu == 2 * XL and c.bytes_per_step == 4 * XL
-    assert c.seconds_per_step == pytest.approx(4 * XL / 15.75e9)
-    assert D.offload_pcie_cost(1000, link=10, efficiency=0.5).seconds_per_step == pytest.approx(4000 / 5e9)
-    for bad in (dict(link="pcie9"), dict(link=0), dict(efficiency=0), dict(efficiency=1.5)):
-        with pytest.raises(ValueError):
-            D.offload_pcie_cost(1000, **bad)
-
-
+# ----------------------------------------------------------------------------- offload config
 def test_deepspeed_config_is_json_and_checks_stage():
     cfg = D.deepspeed_zero_offload_config(micro_batch_size=4, grad_accum_steps=16)
     assert json.loads(json.dumps(cfg)) == cfg
@@ -144,123 +135,117 @@ def test_deepspeed_config_is_json_and_checks_stage():
         D.deepspeed_zero_offload_config(stage=0)
 
 
-# ----------------------------------------------------------------------------- shard accounting
-def test_local_state_bytes_plain_model():
-    model = W.build_mlp(8, 16, 4, 1, seed=0)
-    opt = torch.optim.Adam(model.parameters())
-    n = sum(p.numel() for p in model.parameters())
-    assert D.local_state_bytes(model, opt) == {"params": 4 * n, "grads": 0, "optimizer": 0}
-    F.cross_entropy(model(torch.randn(2, 8)), torch.tensor([0, 1])).backward()
-    opt.step()
-    b = D.local_state_bytes(model, opt)
-    assert b["grads"] == 4 * n and b["optimizer"] == 8 * n + 4 * len(list(model.parameters()))  # m, v, step
-    with pytest.raises(TypeError):
-        D.local_state_bytes("model")
-    with pytest.raises(ValueError):
-        W.build_mlp(8, 0, 4)
-    with pytest.raises(ValueError, match="multiple of 2"):
-        W.rank_slice(5, 0, 2)
+# ----------------------------------------------------------------------------- the exercise's check
+def _partials(x, weight, n):
+    return [xr @ wr.T for xr, wr in zip(x.chunk(n, dim=1), weight.chunk(n, dim=1))]
 
 
-# ----------------------------------------------------------------------------- launcher
-def test_find_free_port_and_backend():
-    port = D.find_free_port()
-    assert 0 < port < 65536
-    assert D.default_backend(1) == "gloo"
-    if torch.cuda.device_count() < 2:
-        assert D.default_backend(2) == "gloo"
+def row_parallel(x, weight, bias, n):
+    partials = _partials(x, weight, n)
+    return partials, torch.stack(partials).sum(dim=0) + bias
 
 
-def test_launch_rejects_bad_input():
-    def local_fn():
-        return 1
-
-    with pytest.raises(TypeError, match="module"):
-        D.launch(local_fn, 2)
-    with pytest.raises(TypeError, match="module"):
-        D.launch(lambda: 1, 2)
-    with pytest.raises(TypeError):
-        D.launch("fn", 2)
-    with pytest.raises(ValueError):
-        D.launch(W.rank_info_worker, 0)
-    with pytest.raises(ValueError, match="gloo"):
-        D.launch(W.rank_info_worker, 2, backend="mpi")
-    with pytest.raises(ValueError):
-        D.launch(W.rank_info_worker, 2, timeout_s=0)
-    with pytest.raises(TypeError):
-        D.launch(W.rank_info_worker, 2, args=5)
+def concatenates(x, weight, bias, n):
+    partials = _partials(x, weight, n)
+    return partials, torch.cat(partials, dim=-1) + bias.repeat(n)
 
 
-def _my_children():
-    return [c for c in psutil.Process().children(recursive=True) if c.is_running()
-            and c.status() != psutil.STATUS_ZOMBIE]
+def bias_on_every_rank(x, weight, bias, n):
+    partials = [p + bias for p in _partials(x, weight, n)]
+    return partials, torch.stack(partials).sum(dim=0)
 
 
-def test_launch_two_ranks_all_reduce_over_gloo():
-    before = {c.pid for c in _my_children()}
-    results = D.launch(W.rank_info_worker, 2, args=(2.0,), backend="gloo", timeout_s=90)
-    assert [r["rank"] for r in results] == [0, 1]
-    assert all(r["world_size"] == 2 and r["backend"] == "gloo" for r in results)
-    assert [r["sum"] for r in results] == [6.0, 6.0]           # 2*1 + 2*2 on both ranks
-    assert results[0]["pid"] != results[1]["pid"]
-    assert {c.pid for c in _my_children()} <= before           # nothing left running
+def splits_the_outputs(x, weight, bias, n):
+    partials = [x @ wr.T for wr in weight.chunk(n, dim=0)]
+    return partials, torch.cat(partials, dim=-1) + bias
 
 
-def test_launch_kills_hanging_ranks_at_timeout(tmp_path):
-    before = {c.pid for c in _my_children()}
-    t0 = time.monotonic()
-    with pytest.raises(D.LaunchError, match="did not finish within timeout_s=3"):
-        D.launch(W.hang_worker, 2, args=(str(tmp_path),), timeout_s=3, grace_s=1)
-    assert time.monotonic() - t0 < 3 + 1 + 6                    # timeout + grace + SIGKILL wait, not forever
-    assert {c.pid for c in _my_children()} <= before           # no orphaned ranks
-    for pid_file in tmp_path.glob("rank*.pid"):                 # ranks that got as far as the hang are gone
-        assert not psutil.pid_exists(int(pid_file.read_text())) or \
-            psutil.Process(int(pid_file.read_text())).status() == psutil.STATUS_ZOMBIE
+def one_rank_only(x, weight, bias, n):
+    return [x @ weight.T], x @ weight.T + bias
 
 
-def test_launch_reports_a_failing_rank_and_stops_the_others():
-    before = {c.pid for c in _my_children()}
-    with pytest.raises(D.LaunchError) as info:
-        D.launch(W.failing_worker, 2, kwargs={"bad_rank": 1}, timeout_s=90, grace_s=1)
-    msg = str(info.value)
-    assert "failed on rank(s) [1]" in msg or "failed on rank(s) [0, 1]" in msg
-    assert "rank 1 failed on purpose" in msg                    # the rank's own traceback reaches the parent
-    assert {c.pid for c in _my_children()} <= before
+def test_check_row_parallel_accepts_the_right_layer(capsys):
+    assert D.check_row_parallel(row_parallel) is True
+    assert "✓" in capsys.readouterr().out
 
 
-@pytest.mark.slow
-def test_ranks_exit_when_the_launcher_is_killed(tmp_path):
-    """Even a SIGKILLed notebook kernel leaves no rank behind: each rank watches its parent."""
-    import os
-    import signal
-    import subprocess
-    import sys
+@pytest.mark.parametrize("wrong", [concatenates, bias_on_every_rank, splits_the_outputs, one_rank_only])
+def test_check_row_parallel_rejects_plausible_mistakes(wrong, capsys):
+    assert D.check_row_parallel(wrong) is False
+    assert "✗" in capsys.readouterr().out
 
-    code = ("from course_utils import distributed as D, dist_workers as W; "
-            f"D.launch(W.hang_worker, 2, args=({str(tmp_path)!r},), timeout_s=120)")
-    work = tmp_path / "tmp"
-    work.mkdir()
-    launcher = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "TMPDIR": str(work)})
-    try:
-        deadline = time.monotonic() + 60
-        while len(list(tmp_path.glob("rank*.pid"))) < 2:
-            assert time.monotonic() < deadline, "the ranks never started"
-            assert launcher.poll() is None, "the launcher exited early"
-            time.sleep(0.1)
-        pids = [int(p.read_text()) for p in tmp_path.glob("rank*.pid")]
-        launcher.send_signal(signal.SIGKILL)
-        launcher.wait(10)
-        deadline = time.monotonic() + 10
-        alive = pids
-        while alive and time.monotonic() < deadline:
-            time.sleep(0.2)
-            alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
-        assert not alive, f"ranks {alive} outlived their launcher"
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
-        for p in tmp_path.glob("rank*.pid"):  # never leave a stray process, even if the test fails
-            try:
-                os.kill(int(p.read_text()), signal.SIGKILL)
-            except (ProcessLookupError, ValueError):
-                pass
+
+def test_check_row_parallel_unfilled_stub_and_bad_input():
+    def stub(x, weight, bias, n):
+        raise NotImplementedError
+
+    with pytest.raises(NotImplementedError):
+        D.check_row_parallel(stub)
+    with pytest.raises(TypeError, match="your function"):
+        D.check_row_parallel("row_parallel")
+
+
+# ----------------------------------------------------------------------------- the notebook's workers
+def notebook_worker(variable: str, folder: Path) -> Path:
+    """Write notebook 07's ``%%writefile "{VARIABLE}"`` cell to ``folder/variable.py``, as the notebook does."""
+    for cell in json.loads(NOTEBOOK.read_text(encoding="utf-8"))["cells"]:
+        first, _, body = "".join(cell["source"]).partition("\n")
+        if cell["cell_type"] == "code" and first.startswith("%%writefile") and f"{{{variable}}}" in first:
+            path = folder / f"{variable.lower()}.py"
+            path.write_text(body + "\n", encoding="utf-8")
+            return path
+    raise AssertionError(f"notebook 07 has no %%writefile cell for {variable}")
+
+
+def _run(script: Path, run_dir: Path, inputs: dict) -> list:
+    torch.save(inputs, run_dir / "data.pt")
+    launch(script, run_dir, nproc=2, timeout_s=180)
+    return [torch.load(run_dir / f"rank{r}.pt") for r in range(2)]
+
+
+def test_notebook_fsdp_worker_shards_and_trains_like_one_process(tmp_path):
+    script = notebook_worker("FSDP_WORKER", tmp_path)
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(16, 8, generator=gen), torch.randint(0, 4, (16,), generator=gen)
+    cfg = {"seed": 3, "n_layers": 1, "width": 16, "n_classes": 4, "steps": 2, "lr": 1e-2}
+    ranks = _run(script, tmp_path, {"x": x, "y": y, **cfg})
+
+    torch.manual_seed(cfg["seed"])  # the single process the notebook compares with
+    net = mlp(cfg["n_layers"], cfg["width"], 8, cfg["n_classes"])
+    opt = torch.optim.Adam(net.parameters(), lr=cfg["lr"])
+    losses = []
+    for step in range(cfg["steps"]):
+        opt.zero_grad()
+        loss = F.cross_entropy(net(x), y)
+        loss.backward()
+        if step == 0:
+            grads = {n: p.grad.clone() for n, p in net.named_parameters()}
+        opt.step()
+        losses.append(loss.item())
+    n = sum(p.numel() for p in net.parameters())
+    n_tensors = len(list(net.parameters()))
+    for r in ranks:
+        assert r["ddp"]["bytes"] == {"params": 4 * n, "grads": 4 * n, "optimizer": 8 * n + 4 * n_tensors}
+        assert r["fsdp"]["bytes"] == {"params": 2 * n, "grads": 2 * n, "optimizer": 4 * n + 4 * n_tensors}
+        for strategy in ("ddp", "fsdp"):
+            assert r[strategy]["losses"] == pytest.approx(losses, abs=1e-5)
+            for name, g in grads.items():
+                torch.testing.assert_close(r[strategy]["grads"][name], g, atol=1e-6, rtol=1e-5)
+            for name, p in net.named_parameters():
+                torch.testing.assert_close(r[strategy]["params"][name], p.detach(), atol=2 * cfg["steps"] * cfg["lr"],
+                                           rtol=0)
+
+
+def test_notebook_tp_worker_equals_the_unsplit_layers(tmp_path):
+    script = notebook_worker("TP_WORKER", tmp_path)
+    torch.manual_seed(0)
+    fc1, fc2, x = nn.Linear(6, 8), nn.Linear(8, 6), torch.randn(3, 6)
+    ranks = _run(script, tmp_path, {"x": x, "w1": fc1.weight.detach(), "b1": fc1.bias.detach(),
+                                    "w2": fc2.weight.detach(), "b2": fc2.bias.detach()})
+    with torch.no_grad():
+        expected = {"column_parallel": fc1(x), "row_parallel": fc2(fc1(x)), "megatron_mlp": fc2(F.gelu(fc1(x)))}
+    for r in ranks:
+        for name, want in expected.items():
+            torch.testing.assert_close(r[name], want, atol=1e-5, rtol=1e-5)
+        assert r["shapes"] == {"w1": (4, 6), "w2": (6, 4)}
+        assert r["weight_bytes"] == 4 * (fc1.weight.numel() + fc1.bias.numel() + fc2.weight.numel()) // 2
