@@ -1,29 +1,23 @@
-"""Gradient checkpointing on an abstract chain: the f/b node graph of notebook 03.
+"""Gradient checkpointing on an abstract chain: bookkeeping, drawings and the slider of notebook 03.
 
-An n-layer chain has forward nodes ``f1..fn`` (the activations) and backward nodes ``b1..bn``
-(the gradients with respect to them)::
+An n-layer chain has forward nodes ``f1..fn`` (the activations) and backward nodes ``b1..bn`` (the
+gradients with respect to them): ``f_i`` needs ``f_{i-1}`` (``f0`` is the input, held by the data loader
+and not counted), ``b_n`` needs ``f_n`` and ``b_i`` needs ``f_i`` and ``b_{i+1}``.
 
-    x -> f1 -> f2 -> ... -> fn
-         |     |            |
-         b1 <- b2 <- ... <- bn
+*What* a checkpointing strategy keeps and recomputes is the lesson, so that rule is written in the
+notebook: a function ``rule(n, kept, keep_recomputed)`` that yields the operations of one training step,
+``("compute", node, recomputed)`` and ``("free", node)``, with nodes ``("f", i)`` / ``("b", i)``.
+:func:`simulate` runs a rule for a strategy, checks that every computation finds its inputs in memory,
+and counts: the memory while each step runs (its inputs and its output are live), the peak, the forward
+computations. The strategies choose the kept ``f`` nodes:
 
-``f_i`` needs ``f_{i-1}`` (``f0`` is the input ``x``, held by the data loader and not counted);
-``b_n`` needs ``f_n``; ``b_i`` needs ``f_i`` and ``b_{i+1}``. A node is *live* (in memory) from the
-step that computes it until the last step that needs it. :func:`simulate` executes a strategy
-step by step and returns the timeline of live nodes, the peak memory and the number of forward
-computations:
+``store_all``      every ``f`` node.
+``recompute_all``  none; a recomputation keeps only the newest node.
+``every_k``        every k-th node (k defaults to round(sqrt(n))).
+``checkpoints``    any set of positions.
 
-``store_all``      keep every ``f`` node from the forward pass: memory O(n), n forward computations.
-``recompute_all``  keep nothing; recompute each ``f_i`` from the input when ``b_i`` needs it:
-                   memory O(1) (3 nodes), n(n+1)/2 forward computations.
-``every_k``        keep every k-th node (checkpoints ``f_k, f_2k, ...``; k defaults to sqrt(n)); in the
-                   backward pass recompute one segment from its checkpoint and keep it until used:
-                   memory about 2*sqrt(n), about one extra forward pass (Chen et al. 2016).
-``checkpoints``    the same with any set of checkpoint positions.
-
-Memory is counted in nodes, or in bytes when the nodes have sizes (``sizes[i-1]`` is the size of
-``f_i``; ``b_i`` has the size of ``f_i``, as a gradient has its activation's shape). A step's
-memory is measured while it computes: its inputs and its output are all live.
+Memory is counted in nodes, or in size units when the nodes have ``sizes`` (``sizes[i-1]`` is the size
+of ``f_i``; ``b_i`` has ``f_i``'s size, as a gradient has its activation's shape).
 """
 from __future__ import annotations
 
@@ -32,6 +26,8 @@ import math
 from dataclasses import dataclass, field
 from numbers import Real
 from typing import Iterable, Sequence
+
+from .validation import positive_int, positive_number
 
 STRATEGIES = ("store_all", "recompute_all", "every_k", "checkpoints")
 STRATEGY_LABELS = {
@@ -48,11 +44,7 @@ MAX_BRUTE_FORCE_N = 16
 # argument checks
 # --------------------------------------------------------------------------------------------
 def _check_n(n) -> int:
-    if isinstance(n, bool) or not isinstance(n, int):
-        raise TypeError(f"n (the number of layers) must be an int, not {type(n).__name__}.")
-    if n < 1:
-        raise ValueError(f"n (the number of layers) must be at least 1, got {n}.")
-    return n
+    return positive_int(n, "n (the number of layers)", "e.g. 9")
 
 
 def _check_sizes(sizes, n: int) -> tuple:
@@ -82,6 +74,14 @@ def _check_positions(checkpoints, n: int) -> tuple:
             raise ValueError(f"checkpoint position {c} is outside the chain: use positions between 1 and n={n}.")
         out.add(c)
     return tuple(sorted(out))
+
+
+def _check_sizes_budget(sizes, budget) -> tuple:
+    """``(n, sizes, budget)`` for the exercise's functions: a non-empty list of sizes and a positive budget."""
+    if sizes is None or isinstance(sizes, (str, bytes)) or not hasattr(sizes, "__len__") or len(sizes) == 0:
+        raise ValueError("sizes must list the size of each layer's activation, e.g. [4, 1, 6, 1].")
+    budget = positive_number(budget, "budget", "in the units of sizes, e.g. 16")
+    return len(sizes), _check_sizes(sizes, len(sizes)), budget
 
 
 def default_k(n: int) -> int:
@@ -145,20 +145,6 @@ class ChainSchedule:
             raise ValueError(f"step t={t} is outside the schedule: use 0..{self.steps - 1}.")
         return self.live[t]
 
-    def to_frame(self):
-        """A pandas DataFrame: step, op, recompute, live_nodes, memory."""
-        import pandas as pd
-
-        return pd.DataFrame(
-            {
-                "step": range(self.steps),
-                "op": self.ops,
-                "recompute": self.recomputed,
-                "live_nodes": self.live_nodes,
-                "memory": self.memory,
-            }
-        )
-
     def summary(self) -> dict:
         return {
             "strategy": self.label,
@@ -175,26 +161,25 @@ def simulate(
     n: int,
     strategy: str = "every_k",
     *,
+    rule,
     k: int | None = None,
     checkpoints: Sequence[int] | None = None,
     sizes: Sequence[float] | None = None,
     record_live: bool | None = None,
 ) -> ChainSchedule:
-    """Execute a checkpointing strategy on an n-layer chain, one node computation per step.
+    """Run ``rule`` (the notebook's keep/recompute rule) for a strategy on an n-layer chain.
 
     Args:
         n: number of layers (forward nodes f1..fn, backward nodes b1..bn).
         strategy: one of ``STRATEGIES`` (see the module docstring).
+        rule: ``rule(n, kept, keep_recomputed)`` yielding the step's operations (module docstring).
         k: checkpoint spacing for ``every_k`` (default ``round(sqrt(n))``).
         checkpoints: positions (1..n) of the kept f nodes for ``checkpoints``.
         sizes: size of each f node (b_i has f_i's size); memory is then in these units.
         record_live: keep the live set of every step (default: when n <= 200).
 
-    Rules: the forward pass frees f_{i-1} once f_i is computed unless f_{i-1} is kept (all are kept
-    by ``store_all``, the checkpoints by the checkpoint strategies, none by ``recompute_all``).
-    In the backward pass, when b_i needs an f_i that is not live, the nodes from the nearest live
-    f node below (or the input) up to f_i are recomputed; the checkpoint strategies keep them until
-    their b node is done, ``recompute_all`` keeps only the last. After b_i, f_i and b_{i+1} are freed.
+    Raises ValueError when the rule computes a node whose inputs are not in memory, frees a node that
+    is not there, or does not compute every b node once.
     """
     _check_n(n)
     if strategy not in STRATEGIES:
@@ -209,94 +194,82 @@ def simulate(
     elif strategy == "recompute_all":
         stored, keep_recomputed = (), False
     elif strategy == "every_k":
-        if k is None:
-            k = default_k(n)
-        if isinstance(k, bool) or not isinstance(k, int):
-            raise TypeError(f"k (the checkpoint spacing) must be an int, not {type(k).__name__}.")
-        if not 1 <= k <= n:
+        k = default_k(n) if k is None else positive_int(k, "k (the checkpoint spacing)", f"between 1 and n={n}")
+        if k > n:
             raise ValueError(f"k (the checkpoint spacing) must be between 1 and n={n}, got {k}.")
         stored, keep_recomputed = tuple(range(k, n + 1, k)), True
     else:
         stored, keep_recomputed = _check_positions(checkpoints, n), True
     if record_live is None:
         record_live = n <= MAX_LIVE_RECORD
-    return _run(n, strategy, stored, keep_recomputed, sizes, bool(record_live))
+    return _run(n, strategy, stored, keep_recomputed, sizes, bool(record_live), rule)
 
 
-def _run(n, strategy, stored, keep_recomputed, sizes, record_live) -> ChainSchedule:
-    stored_set = set(stored)
-    live: dict = {}  # node -> size (insertion order irrelevant)
-    f_live = [False] * (n + 1)  # f_live[i]: f_i is live; f_live[0] (the input) is always True
-    f_live[0] = True
-    state = {"mem": 0, "peak_mem": 0, "peak_nodes": 0, "fwd": 0}
+def _check_rule(rule) -> None:
+    if not callable(rule):
+        raise TypeError(
+            "rule must be the notebook's keep/recompute rule: a function (n, kept, keep_recomputed) that yields "
+            f"('compute', node, recomputed) and ('free', node) operations, not {type(rule).__name__}."
+        )
+
+
+def _node_name(node) -> str:
+    return f"{node[0]}{node[1]}"
+
+
+def _needs(node, n: int) -> list:
+    """The nodes that must be live to compute ``node``."""
+    kind, i = node
+    if kind == "f":
+        return [("f", i - 1)] if i > 1 else []
+    return [("f", i)] + ([("b", i + 1)] if i < n else [])
+
+
+def _run(n, strategy, stored, keep_recomputed, sizes, record_live, rule) -> ChainSchedule:
+    _check_rule(rule)
+    live: dict = {}  # node -> size
+    mem = peak_mem = peak_nodes = forward = 0
     ops, recomputed, memory, counts, lives = [], [], [], [], ([] if record_live else None)
-
-    def alloc(node):
-        live[node] = sizes[node[1] - 1]
-        state["mem"] += live[node]
-        if node[0] == "f":
-            f_live[node[1]] = True
-
-    def free(node):
+    for op in rule(n, frozenset(stored), keep_recomputed):
+        if not isinstance(op, tuple) or op[:1] not in (("compute",), ("free",)) or len(op) < 2:
+            raise ValueError(f"The rule yielded {op!r}; yield ('compute', node, recomputed) or ('free', node).")
+        node = op[1]
+        if (not isinstance(node, tuple) or len(node) != 2 or node[0] not in ("f", "b")
+                or not isinstance(node[1], int) or not 1 <= node[1] <= n):
+            raise ValueError(f"The rule named the node {node!r}; nodes are ('f', i) or ('b', i) with i in 1..{n}.")
+        if op[0] == "free":
+            if node not in live:
+                raise ValueError(f"The rule frees {_node_name(node)}, which is not in memory.")
+            mem -= live.pop(node)
+            continue
         if node in live:
-            state["mem"] -= live.pop(node)
-            if node[0] == "f":
-                f_live[node[1]] = False
-
-    def compute(node, is_recompute):
-        alloc(node)
-        ops.append(f"{node[0]}{node[1]}")
-        recomputed.append(is_recompute)
-        memory.append(state["mem"])
+            raise ValueError(f"The rule computes {_node_name(node)} while it is still in memory.")
+        missing = [_node_name(m) for m in _needs(node, n) if m not in live]
+        if missing:
+            raise ValueError(f"The rule computes {_node_name(node)} but {', '.join(missing)} is not in memory: "
+                             "free a node only after the last step that needs it, or recompute it first.")
+        live[node] = sizes[node[1] - 1]
+        mem += live[node]
+        ops.append(_node_name(node))
+        recomputed.append(bool(op[2]) if len(op) > 2 else False)
+        memory.append(mem)
         counts.append(len(live))
-        state["peak_mem"] = max(state["peak_mem"], state["mem"])
-        state["peak_nodes"] = max(state["peak_nodes"], len(live))
-        if node[0] == "f":
-            state["fwd"] += 1
+        peak_mem, peak_nodes = max(peak_mem, mem), max(peak_nodes, len(live))
+        forward += node[0] == "f"
         if lives is not None:
             lives.append(frozenset(live))
-
-    # forward pass
-    for i in range(1, n + 1):
-        compute(("f", i), False)
-        if i > 1 and (i - 1) not in stored_set:
-            free(("f", i - 1))
-    # backward pass
-    for i in range(n, 0, -1):
-        if not f_live[i]:
-            j = i - 1
-            while not f_live[j]:
-                j -= 1
-            for m in range(j + 1, i + 1):
-                compute(("f", m), True)
-                if not keep_recomputed and m - 1 > j:
-                    free(("f", m - 1))
-        compute(("b", i), False)
-        free(("f", i))
-        if i < n:
-            free(("b", i + 1))
-    # float sizes accumulate rounding noise; report memory exactly when sizes are ints
-    return ChainSchedule(
-        n=n,
-        strategy=strategy,
-        checkpoints=tuple(stored),
-        sizes=tuple(sizes),
-        ops=ops,
-        recomputed=recomputed,
-        memory=memory,
-        live_nodes=counts,
-        live=lives,
-        peak_memory=state["peak_mem"],
-        peak_nodes=state["peak_nodes"],
-        forward_count=state["fwd"],
-    )
+    if ops.count("b1") != 1 or sum(o[0] == "b" for o in ops) != n:
+        raise ValueError(f"The rule must compute each of b{n}..b1 once; it computed {[o for o in ops if o[0] == 'b']}.")
+    return ChainSchedule(n=n, strategy=strategy, checkpoints=tuple(stored), sizes=tuple(sizes), ops=ops,
+                         recomputed=recomputed, memory=memory, live_nodes=counts, live=lives,
+                         peak_memory=peak_mem, peak_nodes=peak_nodes, forward_count=forward)
 
 
 # --------------------------------------------------------------------------------------------
 # sweeps and searches
 # --------------------------------------------------------------------------------------------
-def sweep(ns: Iterable[int], strategies: Sequence[str] = ("store_all", "recompute_all", "every_k")):
-    """Simulate each strategy for each n; a DataFrame with n, strategy, peak_nodes, forward_computations."""
+def sweep(ns: Iterable[int], *, rule, strategies: Sequence[str] = ("store_all", "recompute_all", "every_k")):
+    """Simulate each strategy for each n with ``rule``; a DataFrame with n, strategy, peak_nodes, forward_computations."""
     import pandas as pd
 
     if isinstance(ns, int) or not isinstance(ns, Iterable):
@@ -310,7 +283,7 @@ def sweep(ns: Iterable[int], strategies: Sequence[str] = ("store_all", "recomput
     rows = []
     for n in ns:
         for s in strategies:
-            sched = simulate(n, s, record_live=False)
+            sched = simulate(n, s, rule=rule, record_live=False)
             rows.append(sched.summary())
     return pd.DataFrame(rows)
 
@@ -325,7 +298,7 @@ def segment_checkpoints(n: int, segments: int) -> tuple:
     return tuple(sorted({round(i * n / segments) for i in range(1, segments + 1)}))
 
 
-def best_segment_count(n: int, *, max_segments: int | None = None):
+def best_segment_count(n: int, *, rule, max_segments: int | None = None):
     """Try every segment count s (1..max_segments) with evenly spaced checkpoints.
 
     Returns ``(best_s, table)``: the s with the smallest peak (ties: fewer forward computations,
@@ -340,32 +313,27 @@ def best_segment_count(n: int, *, max_segments: int | None = None):
         raise ValueError(f"max_segments must be an int between 1 and n={n}, got {max_segments!r}.")
     rows = []
     for s in range(1, max_segments + 1):
-        sched = simulate(n, "checkpoints", checkpoints=segment_checkpoints(n, s), record_live=False)
+        sched = simulate(n, "checkpoints", rule=rule, checkpoints=segment_checkpoints(n, s), record_live=False)
         rows.append({"segments": s, "peak_nodes": sched.peak_nodes, "forward_computations": sched.forward_count})
     table = pd.DataFrame(rows)
     best = min(rows, key=lambda r: (r["peak_nodes"], r["forward_computations"], r["segments"]))
     return best["segments"], table
 
 
-def optimal_checkpoints(sizes: Sequence[float], budget: float) -> ChainSchedule:
+def optimal_checkpoints(sizes: Sequence[float], budget: float, *, rule) -> ChainSchedule:
     """The checkpoint set that keeps the peak within ``budget`` with the fewest recomputations.
 
     Brute force over every subset of positions 1..n-1 (f_n is live when the backward pass starts
     anyway), so n is limited to 16. Ties: lower peak, then fewer checkpoints, then the
     lexicographically smallest set. Raises ValueError when no checkpoint set fits.
     """
-    if sizes is None or isinstance(sizes, (str, bytes)) or not hasattr(sizes, "__len__") or len(sizes) == 0:
-        raise ValueError("sizes must list the size of each layer's activation, e.g. [4, 1, 6, 1].")
-    n = len(sizes)
-    sizes = _check_sizes(sizes, n)
+    n, sizes, budget = _check_sizes_budget(sizes, budget)
     if n > MAX_BRUTE_FORCE_N:
         raise ValueError(f"optimal_checkpoints tries every subset; keep n <= {MAX_BRUTE_FORCE_N} (got n={n}).")
-    if isinstance(budget, bool) or not isinstance(budget, Real) or not math.isfinite(budget) or budget <= 0:
-        raise ValueError(f"budget must be a positive number in the units of sizes, got {budget!r}.")
     best, best_key, lowest = None, None, None
     for r in range(n):
         for subset in itertools.combinations(range(1, n), r):
-            sched = simulate(n, "checkpoints", checkpoints=subset, sizes=sizes, record_live=False)
+            sched = simulate(n, "checkpoints", rule=rule, checkpoints=subset, sizes=sizes, record_live=False)
             if lowest is None or sched.peak_memory < lowest:
                 lowest = sched.peak_memory
             if sched.peak_memory > budget:
@@ -374,21 +342,20 @@ def optimal_checkpoints(sizes: Sequence[float], budget: float) -> ChainSchedule:
             if best_key is None or key < best_key:
                 best, best_key = sched, key
     if best is None:
-        floor = simulate(n, "recompute_all", sizes=sizes, record_live=False).peak_memory
+        floor = simulate(n, "recompute_all", rule=rule, sizes=sizes, record_live=False).peak_memory
         raise ValueError(
             f"No checkpoint set keeps the peak within budget={budget}: the smallest peak a checkpoint set "
             f"reaches is {lowest}. Raise the budget to at least {lowest} (recomputing everything would need {floor})."
         )
-    return simulate(n, "checkpoints", checkpoints=best.checkpoints, sizes=sizes)
+    return simulate(n, "checkpoints", rule=rule, checkpoints=best.checkpoints, sizes=sizes)
 
 
-def evaluate_checkpoints(sizes: Sequence[float], budget: float, checkpoints: Sequence[int]) -> dict:
+def evaluate_checkpoints(sizes: Sequence[float], budget: float, checkpoints: Sequence[int], *, rule) -> dict:
     """Grade a checkpoint choice: does it fit the budget, and how many recomputations does it cost?"""
-    if sizes is None or isinstance(sizes, (str, bytes)) or not hasattr(sizes, "__len__") or len(sizes) == 0:
-        raise ValueError("sizes must list the size of each layer's activation, e.g. [4, 1, 6, 1].")
-    if isinstance(budget, bool) or not isinstance(budget, Real) or budget <= 0:
-        raise ValueError(f"budget must be a positive number in the units of sizes, got {budget!r}.")
-    sched = simulate(len(sizes), "checkpoints", checkpoints=list(checkpoints), sizes=sizes, record_live=False)
+    n, sizes, budget = _check_sizes_budget(sizes, budget)
+    if checkpoints is None or isinstance(checkpoints, (str, bytes)) or not isinstance(checkpoints, Iterable):
+        raise TypeError(f"checkpoints must be a list of positions such as [2, 5], not {checkpoints!r}.")
+    sched = simulate(n, "checkpoints", rule=rule, checkpoints=list(checkpoints), sizes=sizes, record_live=False)
     return {
         "checkpoints": sched.checkpoints,
         "peak_memory": sched.peak_memory,
@@ -494,7 +461,7 @@ def interesting_steps(schedule: ChainSchedule, count: int = 4) -> list:
 
 
 def draw_strategy_grid(n: int = 6, strategies: Sequence[str] = ("store_all", "recompute_all", "every_k"),
-                       steps_per_strategy: int = 4, *, k: int | None = None):
+                       steps_per_strategy: int = 4, *, rule, k: int | None = None):
     """The static figure: one row per strategy, a few time steps each (the fallback for the slider)."""
     import matplotlib.pyplot as plt
 
@@ -510,7 +477,7 @@ def draw_strategy_grid(n: int = 6, strategies: Sequence[str] = ("store_all", "re
     fig, axes = plt.subplots(len(strategies), steps_per_strategy,
                              figsize=(steps_per_strategy * (0.62 * n + 1.2), 1.9 * len(strategies)), squeeze=False)
     for row, s in enumerate(strategies):
-        sched = simulate(n, s, k=k if s == "every_k" else None, record_live=True)
+        sched = simulate(n, s, rule=rule, k=k if s == "every_k" else None, record_live=True)
         picks = interesting_steps(sched, steps_per_strategy)
         for col in range(steps_per_strategy):
             ax = axes[row][col]
@@ -576,7 +543,7 @@ def plot_scaling(table, axes=None):
 # --------------------------------------------------------------------------------------------
 # the slider
 # --------------------------------------------------------------------------------------------
-def chain_explorer(n: int = 9, strategies: Sequence[str] = ("store_all", "recompute_all", "every_k")):
+def chain_explorer(n: int = 9, strategies: Sequence[str] = ("store_all", "recompute_all", "every_k"), *, rule):
     """An ipywidgets explorer: pick a strategy, drag the time step, see which nodes are live.
 
     Uses only ToggleButtons, IntSlider, Output and VBox (ipywidgets 7.7 and 8).
@@ -588,7 +555,7 @@ def chain_explorer(n: int = 9, strategies: Sequence[str] = ("store_all", "recomp
     _check_n(n)
     if n > 16:
         raise ValueError(f"chain_explorer draws every node; keep n <= 16 (got {n}).")
-    schedules = {STRATEGY_LABELS[s]: simulate(n, s, record_live=True) for s in strategies}
+    schedules = {STRATEGY_LABELS[s]: simulate(n, s, rule=rule, record_live=True) for s in strategies}
     picker = widgets.ToggleButtons(options=list(schedules), description="strategy")
     first = schedules[picker.value]
     slider = widgets.IntSlider(value=0, min=0, max=first.steps - 1, description="step", continuous_update=False)
@@ -615,50 +582,3 @@ def chain_explorer(n: int = 9, strategies: Sequence[str] = ("store_all", "recomp
     slider.observe(redraw, names="value")
     redraw()
     return widgets.VBox([picker, slider, out])
-
-
-# --------------------------------------------------------------------------------------------
-# timing
-# --------------------------------------------------------------------------------------------
-def time_steps(fns: dict, *, repeats: int = 3, warmup: int = 1, device=None) -> dict:
-    """Time several zero-argument callables fairly: runs are interleaved (a, b, a, b, ...) and each
-    gets the *minimum* over ``repeats`` runs, in seconds.
-
-    On a CUDA device the clock is wall time with the GPU synchronized around each run. Elsewhere it is
-    the CPU time of this process (``time.process_time``), so other programs competing for the CPU
-    (a shared CI machine) do not distort the comparison.
-    """
-    import time
-
-    import torch
-
-    if not isinstance(fns, dict) or not fns:
-        raise TypeError("fns must be a non-empty dict {label: zero-argument callable}.")
-    for label, fn in fns.items():
-        if not callable(fn):
-            raise TypeError(f"fns[{label!r}] must be a zero-argument callable, not {type(fn).__name__}.")
-    for name, value, low in (("repeats", repeats, 1), ("warmup", warmup, 0)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"{name} must be an int >= {low}, got {value!r}.")
-    cuda = device is not None and torch.device(device).type == "cuda" and torch.cuda.is_available()
-    clock = time.perf_counter if cuda else time.process_time
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    for _ in range(warmup):
-        for fn in fns.values():
-            fn()
-    best = {label: math.inf for label in fns}
-    for _ in range(repeats):
-        for label, fn in fns.items():
-            sync()
-            start = clock()
-            fn()
-            sync()
-            best[label] = min(best[label], clock() - start)
-    return best
-
-
-def time_it(fn, *, repeats: int = 3, warmup: int = 1, device=None) -> float:
-    """Minimum time of ``fn()`` over ``repeats`` runs (see :func:`time_steps` for the clock)."""
-    if not callable(fn):
-        raise TypeError(f"fn must be a zero-argument callable, not {type(fn).__name__}.")
-    return time_steps({"fn": fn}, repeats=repeats, warmup=warmup, device=device)["fn"]
