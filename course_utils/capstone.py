@@ -633,7 +633,9 @@ def sample_text(model: nn.Module, tokenizer, prompt: str, *, n_tokens: int = 60,
     """Sample ``n_tokens`` after ``prompt`` (top-k, seeded: the same weights give the same text).
 
     Runs the model in eval mode without a KV cache (simple and fine for a short sample), then
-    restores train mode if it was on. Returns only the new text.
+    restores train mode if it was on. A model whose vocabulary is larger than the tokenizer's
+    (GPT-2-XL's shape with the byte-level tokenizer) samples only ids the tokenizer can decode.
+    Returns only the new text.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}.")
@@ -652,6 +654,7 @@ def sample_text(model: nn.Module, tokenizer, prompt: str, *, n_tokens: int = 60,
         new = []
         for _ in range(n_tokens):
             logits = model(input_ids=ids[:, -context:]).logits[0, -1].float().cpu() / temperature
+            logits = logits[:tokenizer.vocab_size]  # a model wider than its tokenizer samples only ids it can decode
             k = min(top_k, logits.numel())
             values, indices = torch.topk(logits, k)
             choice = indices[torch.multinomial(torch.softmax(values, dim=-1), 1, generator=gen)]

@@ -511,3 +511,11 @@ def test_sample_text_is_seeded_and_checks_input():
     assert model.training  # train mode restored
     with pytest.raises(ValueError, match="prompt"):
         capstone.sample_text(model, tok, "", n_tokens=5)
+
+
+def test_sample_text_with_a_model_wider_than_its_tokenizer():
+    model = tiny()  # 64 ids
+    tok = capstone.ByteTokenizer()
+    tok.vocab_size = 40  # an instance attribute: a tokenizer that knows fewer ids than the model
+    text = capstone.sample_text(model, tok, "!", n_tokens=20, temperature=5.0, top_k=64, seed=1)
+    assert all(ord(ch) < 40 for ch in text)
