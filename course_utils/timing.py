@@ -7,6 +7,7 @@ generous bounds, and saved timing outputs are never compared.
 """
 from __future__ import annotations
 
+import statistics
 from typing import Callable
 
 import torch
@@ -40,10 +41,25 @@ def time_fn(fn: Callable[[], object], *, min_run_time: float = 0.2, warmup: int 
     return float(timer.blocked_autorange(min_run_time=min_run_time).median)
 
 
-def time_fns(fns: dict, **kwargs) -> dict:
-    """``{label: median seconds}`` for several callables, each timed by :func:`time_fn` with ``kwargs``."""
+def time_fns(fns: dict, *, rounds: int = 3, min_run_time: float = 0.2, **kwargs) -> dict:
+    """``{label: median seconds}`` for several callables, timed fairly.
+
+    The callables take turns (``rounds`` rounds of a, b, a, b, ...), each turn a :func:`time_fn` of
+    ``min_run_time / rounds`` seconds, and each gets the median of its turns: a burst of load on a
+    shared machine then hits every callable alike instead of one of them.
+    """
     if not isinstance(fns, dict) or not fns:
         raise TypeError("fns must be a non-empty dict {label: zero-argument callable}.")
     for label, fn in fns.items():
         _check_fn(fn, f"fns[{label!r}]")
-    return {label: time_fn(fn, **kwargs) for label, fn in fns.items()}
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(f"rounds must be a positive int such as 3, not {rounds!r}.")
+    if isinstance(min_run_time, bool) or not isinstance(min_run_time, (int, float)) or min_run_time <= 0:
+        raise ValueError(f"min_run_time must be a positive number of seconds, e.g. 0.2, not {min_run_time!r}.")
+    turns: dict = {label: [] for label in fns}
+    for round_index in range(rounds):
+        for label, fn in fns.items():
+            warmup = kwargs.get("warmup", 1) if round_index == 0 else 0
+            turns[label].append(time_fn(fn, min_run_time=min_run_time / rounds,
+                                        **{**kwargs, "warmup": warmup}))
+    return {label: statistics.median(values) for label, values in turns.items()}

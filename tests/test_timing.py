@@ -39,3 +39,12 @@ def test_time_fns_needs_a_dict():
         timing.time_fns([lambda: None])
     with pytest.raises(TypeError, match="callable"):
         timing.time_fns({"x": 1})
+
+
+def test_time_fns_takes_turns():
+    order = []
+    timing.time_fns({"a": lambda: order.append("a"), "b": lambda: order.append("b")}, rounds=3, min_run_time=0.03)
+    switches = sum(1 for x, y in zip(order, order[1:]) if x != y)
+    assert switches >= 5, "a and b must alternate across rounds"
+    with pytest.raises(ValueError, match="rounds"):
+        timing.time_fns({"a": lambda: None}, rounds=0)
