@@ -1,20 +1,13 @@
 """The capstone's pieces that are not the lesson: GPT-2-XL fine-tuning inside a small GPU (notebook 06).
 
-The lesson itself (the two-copy step with loss scaling and overflow skip, and the gradient-streaming
-hook) is written in notebook 06's cells, after "How to fine tune VERY large model if it doesn't fit
-on your GPU". This module holds what the notebook uses around it:
-
-* :func:`device_precision`: bf16 where the GPU runs it natively, fp16 with loss scaling on older
-  cards, fp32 on a CPU;
-* copy engines for the streaming hook: :class:`CudaCopyEngine` (pinned staging, a side stream,
-  events) and its CPU twin :class:`CpuCopyEngine`, with one interface
-  (``start_copy(src, dst) -> handle``, ``ready(handle)``, ``wait(handle)``, ``staging_like(t)``);
-* the fake-tensor prediction of the GPU peak (:func:`predict_gpu_peak`) and the micro-batch that
-  fits a card with its CUDA context and allocator reserve (:func:`largest_fitting_micro_batch`);
-* the exercise checker for the two-copy step (:func:`check_two_copy_step`);
-* atomic checkpoints that resume bit-for-bit (:func:`save_checkpoint`, :func:`load_checkpoint`);
-* data: the offline corpus (:func:`course_corpus`), tokenizers, resumable batches
-  (:class:`TokenBatches`), sampling; the PCIe arithmetic of both variants (:func:`pcie_bytes_per_step`).
+The lesson (the two-copy step with loss scaling and overflow skip, the gradient-streaming hook) is
+written in notebook 06's cells, after "How to fine tune VERY large model if it doesn't fit on your
+GPU". Here: the device copy's format (:func:`device_precision`); copy engines for the streaming hook,
+CUDA's (pinned staging, side stream, events) and its CPU twin, with one interface (``start_copy(src,
+dst) -> handle``, ``ready``, ``wait``, ``staging_like``); the fake-tensor GPU peak
+(:func:`predict_gpu_peak`) and the micro-batch that fits a card (:func:`largest_fitting_micro_batch`);
+the exercise checker (:func:`check_two_copy_step`); atomic checkpoints that resume bit-for-bit; the
+offline corpus, tokenizers, resumable batches, sampling; the PCIe arithmetic of both variants.
 """
 from __future__ import annotations
 
@@ -48,13 +41,10 @@ class Precision(NamedTuple):
 
 
 def device_precision(compute_capability) -> Precision:
-    """The rule notebook 04 teaches, for the capstone's device copy.
+    """Notebook 04's rule for the device copy, from ``hardware.compute_capability()`` ((major, minor) or None).
 
-    ``compute_capability`` is ``(major, minor)`` of the CUDA GPU (``hardware.compute_capability()``)
-    or ``None`` without one. Compute capability 8.0 and newer (Ampere, Ada, Hopper...) run bf16
-    natively: bf16 has fp32's exponent range, so no loss scaling. Older cards (a T4 is 7.5) get
-    fp16 with dynamic loss scaling. Without a GPU the device copy is fp32 (CPUs are slow at fp16),
-    which needs no scaling either.
+    8.0 and newer run bf16 natively (fp32's exponent range: no loss scaling); older cards (a T4 is 7.5)
+    get fp16 with dynamic loss scaling; without a GPU, fp32 (CPUs are slow at 16-bit kernels).
     """
     if compute_capability is None:
         return Precision(torch.float32, False, "no CUDA GPU: an fp32 device copy (CPUs are slow at 16-bit "
@@ -77,13 +67,10 @@ def device_precision(compute_capability) -> Precision:
 class CudaCopyEngine:
     """Device -> pinned-host copies on a side CUDA stream, one event per copy.
 
-    ``start_copy(src, dst)`` waits for the compute stream (``src`` must be complete), issues
-    ``dst.copy_(src, non_blocking=True)`` on the side stream, tells the caching allocator that the
-    side stream still reads ``src`` (``record_stream``, so freeing the gradient cannot hand its memory
-    to the next kernel too early) and returns an event; ``ready`` polls it, ``wait`` blocks on it.
+    ``start_copy`` waits for the compute stream (``src`` must be complete), copies with
+    ``non_blocking=True`` on the side stream, tells the allocator the side stream still reads ``src``
+    (``record_stream``: freeing the gradient cannot hand its memory on too early) and returns an event.
     """
-
-    pinned = True
 
     def __init__(self, device="cuda"):
         self.device = torch.device(device)
@@ -113,29 +100,14 @@ class CudaCopyEngine:
         handle.synchronize()
 
 
-class _PendingCopy:
-    __slots__ = ("src", "dst", "done")
-
-    def __init__(self, src, dst):
-        self.src, self.dst, self.done = src, dst, False
-
-    def run(self) -> None:
-        if not self.done:
-            with torch.no_grad():
-                self.dst.copy_(self.src)
-            self.src, self.done = None, True  # like record_stream: the source lives until its copy ran
-
-
 class CpuCopyEngine:
     """The CPU twin of :class:`CudaCopyEngine`: the same interface, so the same hook code runs on a CPU.
 
     ``deferred=False`` (what a CPU does): each copy completes in ``start_copy``. ``deferred=True``
-    (for tests): copies wait in :attr:`pending` until ``wait(handle)`` or :meth:`complete` runs them,
-    in any order, so a test can keep copies in flight and finish them out of order, as a GPU's copy
-    engine may.
+    (tests): copies wait in :attr:`pending` until ``wait(handle)`` or :meth:`complete` runs them, in
+    any order, as a GPU's copy engine may finish them. A handle is ``[src, dst, done]``; the source is
+    held until its copy ran (what ``record_stream`` does on CUDA).
     """
-
-    pinned = False
 
     def __init__(self, *, deferred: bool = False):
         if not isinstance(deferred, bool):
@@ -152,25 +124,26 @@ class CpuCopyEngine:
             raise TypeError("start_copy(src, dst) takes two tensors: the device gradient and its host buffer.")
         if tuple(src.shape) != tuple(dst.shape):
             raise ValueError(f"Cannot copy a tensor of shape {tuple(src.shape)} into a buffer of {tuple(dst.shape)}.")
-        handle = _PendingCopy(src, dst)
+        handle = [src, dst, False]
         self.copies_started += 1
-        if self.deferred:
-            self.pending.append(handle)
-        else:
-            handle.run()
+        self.pending.append(handle)
+        if not self.deferred:
+            self.complete(handle)
         return handle
 
     def ready(self, handle) -> bool:
-        return handle.done
+        return handle[2]
 
     def wait(self, handle) -> None:
         self.complete(handle)
 
     def complete(self, handle) -> None:
         """Run one queued copy now (tests use it to finish copies out of order)."""
-        handle.run()
-        if handle in self.pending:
-            self.pending.remove(handle)
+        if not handle[2]:
+            with torch.no_grad():
+                handle[1].copy_(handle[0])
+            handle[0], handle[2] = None, True
+            self.pending = [h for h in self.pending if h is not handle]
 
 
 def copy_engine(device) -> CudaCopyEngine | CpuCopyEngine:
@@ -185,82 +158,55 @@ def copy_engine(device) -> CudaCopyEngine | CpuCopyEngine:
 def check_two_copy_step(step_fn: Callable, *, verbose: bool = True) -> bool:
     """Check a learner's ``two_copy_step(device_params, master_params, optimizer, scale) -> bool``.
 
-    Runs it on real tensors (an fp16 device copy, its fp32 master copy with SGD, loss scale 2**10)
-    in three situations and compares with what the step must do:
-
-    1. finite gradients on the device (one parameter without a gradient): the master weights move by
-       ``-lr * grad / scale``, the device weights become the new master weights in fp16, it returns True;
-    2. an inf in one gradient (fp16 overflow): nothing changes, it returns False;
-    3. the gradients already summed in the master gradients, none on the device (streaming): it steps
-       with those.
-
-    After each, the device gradients must be gone (None or zero) and the master gradients zero.
-    Returns True when all hold; prints what went wrong otherwise. ``NotImplementedError`` from an
-    unfilled stub propagates, so the notebook can say "fill in".
+    Runs it on real tensors (fp16 device copy, fp32 master copy with SGD, loss scale 2**10) with
+    (1) finite device gradients, one parameter without any: master -= lr * grad / scale, the device
+    gets the new master in fp16, returns True; (2) an inf gradient: nothing changes, returns False;
+    (3) gradients already summed on the master, none on the device (streaming): it steps with those.
+    After each, device gradients must be gone and master gradients zero. Prints what went wrong;
+    ``NotImplementedError`` from an unfilled stub propagates (the notebook then says "fill in").
     """
     if not callable(step_fn):
         raise TypeError(f"Pass your two_copy_step function itself, not {type(step_fn).__name__}.")
-    scale, lr = 2.0**10, 0.5
-    shapes = [(3, 4), (5,), (2,)]
-
-    def situation(seed: int, device_grads: bool, overflow: bool = False):
+    scale, lr, shapes, problems = 2.0**10, 0.5, [(3, 4), (5,), (2,)], []
+    for label, seed, on_device, overflow in (("finite gradients", 1, True, False),
+                                             ("an fp16 overflow (inf gradient)", 2, True, True),
+                                             ("streamed gradients (already on the master)", 3, False, False)):
         gen = torch.Generator().manual_seed(seed)
         weights = [torch.randn(s, generator=gen) for s in shapes]  # the fp32 checkpoint
-        grads = [torch.randn(s, generator=gen) * 1e-2 for s in shapes]
-        grads[2] = torch.zeros(shapes[2])  # a parameter the loss did not use
+        grads = [torch.randn(s, generator=gen) * 1e-2 for s in shapes[:2]] + [torch.zeros(shapes[2])]
         device = [nn.Parameter(w.to(torch.float16)) for w in weights]
         master = [nn.Parameter(w.clone()) for w in weights]
-        for m in master:
-            m.grad = torch.zeros_like(m)
-        if device_grads:
-            for p, g in zip(device[:2], grads[:2]):
+        for m, g in zip(master, grads):
+            m.grad = torch.zeros_like(m) if on_device else g * scale
+        if on_device:  # the third parameter has no gradient: the loss did not use it
+            for p, g in zip(device[:2], grads):
                 p.grad = (g * scale).to(torch.float16)
-            grads = [p.grad.float() / scale if p.grad is not None else torch.zeros_like(g) for p, g in zip(device, grads)]
+            grads = [p.grad.float() / scale for p in device[:2]] + grads[2:]
             if overflow:
                 device[1].grad[0] = float("inf")
-        else:
-            for m, g in zip(master, grads):
-                m.grad.copy_(g * scale)
-        if overflow:
-            expected = [w.clone() for w in weights]
-        else:
-            expected = [w - lr * g for w, g in zip(weights, grads)]
-        return device, master, torch.optim.SGD(master, lr=lr), expected, weights
-
-    problems = []
-    for label, seed, device_grads, overflow in (("finite gradients", 1, True, False),
-                                                ("an fp16 overflow (inf gradient)", 2, True, True),
-                                                ("streamed gradients (already on the master)", 3, False, False)):
-        device, master, opt, expected, weights = situation(seed, device_grads, overflow)
+        expected = [w if overflow else w - lr * g for w, g in zip(weights, grads)]
         try:
-            stepped = step_fn(device, master, opt, scale)
+            stepped = step_fn(device, master, torch.optim.SGD(master, lr=lr), scale)
         except NotImplementedError:
             raise
         except Exception as err:  # the learner's code: say what broke, do not crash the notebook
             problems.append(f"with {label} it raised {type(err).__name__}: {err}")
             continue
         if stepped is None or bool(stepped) != (not overflow):
-            problems.append(f"with {label} it returned {stepped!r}, expected {not overflow} "
-                            f"({'skip the step' if overflow else 'the step was applied'})")
-        for what, got, want in (("master weights", [m.detach() for m in master], expected),
-                                ("device weights", [p.detach().float() for p in device],
-                                 [e.to(torch.float16).float() for e in expected])):
-            if not all(torch.allclose(g, w, rtol=1e-5, atol=1e-6) for g, w in zip(got, want)):
-                hint = ("unchanged" if overflow else
-                        "master - lr * grad / scale" if what == "master weights" else
-                        "the new master weights, cast to fp16")
-                problems.append(f"with {label} the {what} are wrong (expected {hint})")
+            problems.append(f"with {label} it returned {stepped!r}, expected {not overflow}")
+        for what, got, want, hint in (
+                ("master weights", master, expected, "master - lr * grad / scale"),
+                ("device weights", device, [e.to(torch.float16) for e in expected], "the new master weights in fp16")):
+            if not all(torch.allclose(g.detach().float(), w.float(), rtol=1e-5, atol=1e-6) for g, w in zip(got, want)):
+                problems.append(f"with {label} the {what} are wrong (expected {'unchanged' if overflow else hint})")
         if any(p.grad is not None and bool(p.grad.any()) for p in device):
             problems.append(f"with {label} the device gradients were left behind (set them to None)")
         if any(m.grad is not None and bool(m.grad.any()) for m in master):
             problems.append(f"with {label} the master gradients were not zeroed for the next step")
-    ok = not problems
     if verbose:
-        if ok:
-            print("✓ two_copy_step: correct with finite gradients, an overflow, and streamed gradients.")
-        else:
-            print("✗ two_copy_step: " + "; ".join(problems) + ".")
-    return ok
+        print("✓ two_copy_step: correct with finite gradients, an overflow, and streamed gradients." if not problems
+              else "✗ two_copy_step: " + "; ".join(problems) + ".")
+    return not problems
 
 
 # ----------------------------------------------------------------------------------------------
@@ -269,11 +215,9 @@ def check_two_copy_step(step_fn: Callable, *, verbose: bool = True) -> bool:
 def largest_fitting_micro_batch(peak_for: Callable, budget_bytes: int, start: int):
     """Halve the micro-batch from ``start`` until one step fits a card of ``budget_bytes``.
 
-    ``peak_for(micro_batch)`` returns the step's tensor peak: a number of bytes, or a report with
-    ``peak_bytes`` (:func:`predict_gpu_peak`'s). "Fits" counts what the card holds besides the
-    tensors: :func:`course_utils.hardware.gpu_bytes_needed` (allocator reserve + CUDA context).
-    Returns ``(micro_batch, what peak_for returned, bytes needed)``; raises ``ValueError`` when not
-    even a micro-batch of 1 fits.
+    ``peak_for(micro_batch)`` gives the tensor peak (bytes, or a report with ``peak_bytes``); "fits"
+    adds the allocator reserve and CUDA context (``hardware.gpu_bytes_needed``). Returns
+    ``(micro_batch, what peak_for returned, bytes needed)``; ``ValueError`` if not even 1 fits.
     """
     from .hardware import gpu_bytes_needed
 
@@ -412,21 +356,17 @@ def rng_state() -> dict:
     """Every random generator a training run draws from: Python, NumPy, torch CPU and CUDA."""
     import numpy as np
 
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(), "cuda": cuda}
 
 
 def set_rng_state(state: dict) -> None:
     import numpy as np
 
-    if not isinstance(state, dict) or not {"python", "numpy", "torch"} <= set(state):
-        raise ValueError("set_rng_state needs the dict rng_state() returned.")
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
+    if state.get("cuda") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
@@ -541,25 +481,16 @@ class ByteTokenizer:
             raise ValueError("ByteTokenizer ids must be in 0..255.")
         return bytes(ids).decode("utf-8", errors="replace")
 
-    def __repr__(self) -> str:
-        return f"ByteTokenizer({self.name})"
-
 
 class _HFTokenizer:
     def __init__(self, tok, name: str):
-        self._tok = tok
-        self.name = f"{name} (Hugging Face BPE)"
-        self.vocab_size = len(tok)
-        self.eos_token_id = tok.eos_token_id
+        self._tok, self.name, self.vocab_size, self.eos_token_id = tok, f"{name} (BPE)", len(tok), tok.eos_token_id
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text)
 
     def decode(self, ids) -> str:
         return self._tok.decode(ids.tolist() if isinstance(ids, torch.Tensor) else list(ids))
-
-    def __repr__(self) -> str:
-        return f"Tokenizer({self.name})"
 
 
 def load_tokenizer(name: str = "gpt2", *, allow_download: bool = False):
@@ -617,14 +548,10 @@ class TokenBatches:
 def param_diff(a: Iterable[torch.Tensor], b: Iterable[torch.Tensor]) -> float:
     """Largest absolute difference between two lists of tensors of equal shapes."""
     a, b = list(a), list(b)
-    if len(a) != len(b):
-        raise ValueError(f"Cannot compare {len(a)} tensors with {len(b)}.")
-    worst = 0.0
-    for x, y in zip(a, b):
-        if tuple(x.shape) != tuple(y.shape):
-            raise ValueError(f"Shapes differ: {tuple(x.shape)} vs {tuple(y.shape)}.")
-        worst = max(worst, float((x.detach().float().cpu() - y.detach().float().cpu()).abs().max()))
-    return worst
+    if len(a) != len(b) or any(x.shape != y.shape for x, y in zip(a, b)):
+        raise ValueError(f"Cannot compare these {len(a)} tensors with those {len(b)}: the shapes differ.")
+    return max((float((x.detach().float().cpu() - y.detach().float().cpu()).abs().max()) for x, y in zip(a, b)),
+               default=0.0)
 
 
 @torch.no_grad()

@@ -268,7 +268,7 @@ def test_streaming_hook_with_late_out_of_order_copies_gives_the_same_update():
 def test_cpu_copy_engine_interface():
     engine = capstone.CpuCopyEngine(deferred=True)
     src, dst = torch.arange(4.0), capstone.CpuCopyEngine().staging_like(torch.empty(4, dtype=torch.float16))
-    assert dst.dtype == torch.float16 and not engine.pinned
+    assert dst.dtype == torch.float16 and not dst.is_pinned()
     handle = engine.start_copy(src, dst)
     assert not engine.ready(handle) and engine.pending == [handle]
     src.add_(1)  # held by the queued copy (as record_stream keeps a CUDA gradient): copied at completion
