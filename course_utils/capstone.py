@@ -268,7 +268,7 @@ def fake_device() -> str:
 
 def predict_gpu_peak(config_or_name="gpt2-xl", *, variant: str = "recipe", micro_batch: int = 4,
                      seq_len: int = 1024, dtype: torch.dtype = torch.float16, device: str | None = None,
-                     **overrides):
+                     attention: str = "fused", **overrides):
     """Predict the GPU peak of one micro-step (forward + backward) of the capstone, with fake tensors.
 
     Builds the GPT-2 model under ``FakeTensorMode`` (shapes, no memory) in ``dtype`` with
@@ -278,6 +278,11 @@ def predict_gpu_peak(config_or_name="gpt2-xl", *, variant: str = "recipe", micro
     it (a ``register_post_accumulate_grad_hook`` frees it, as notebook 06's streaming hook does after
     queueing its copy). The CPU side (master copy, staging buffers) is not device memory and is not
     counted. GPT-2-XL costs about 10-20 s on 2 cores.
+
+    Tensors are priced as CUDA keeps them (:class:`course_utils.models.as_on_cuda`: bool dropout
+    masks; ``attention='fused'``: the SDPA kernel a GPU runs, output + log-sum-exp, nothing
+    T x T; ``'math'``: the written-out attention). The loop drops the outputs before backward
+    (``model(...).loss.backward()``), so the logits are freed there.
 
     Returns the :class:`course_utils.memory.MemoryReport`.
     """
@@ -298,7 +303,7 @@ def predict_gpu_peak(config_or_name="gpt2-xl", *, variant: str = "recipe", micro
         raise ValueError(f"seq_len {seq_len} is longer than the model's context ({config.n_positions} tokens).")
     with models.fake_mode():
         with torch.device(device):
-            model = models.build_gpt2(config, dtype=dtype)
+            model = models.build_gpt2(config, dtype=dtype, attention=attention)
         enable_checkpointing(model)
         model.train()
         handles = ([p.register_post_accumulate_grad_hook(_free_grad) for p in model.parameters()]
@@ -308,7 +313,7 @@ def predict_gpu_peak(config_or_name="gpt2-xl", *, variant: str = "recipe", micro
             ids = torch.randint(0, config.vocab_size, (micro_batch, seq_len), device=device)
             model(input_ids=ids, labels=ids).loss.backward()
 
-        with warnings.catch_warnings():  # MemTracker warns about the hooks' `grad = None`
+        with warnings.catch_warnings(), models.as_on_cuda():  # MemTracker warns about the hooks' `grad = None`
             warnings.filterwarnings("ignore", message="Expected a tensor or a traceable wrapper-subclass")
             report = measure_memory(micro_step, model=model)
     for handle in handles:
