@@ -1,6 +1,6 @@
 """Pytest plugin for the course's notebook harness (loaded by pyproject's ``-p course_tools.nbval_plugin``).
 
-- Notebooks and tests run without a display and without the internet.
+- Notebooks and tests run without a display and without the internet, in a fresh course folder (COURSE_HOME).
 - nbval compares stderr in checked cells; warnings and progress bars there are not lessons, so stderr is skipped.
 - The committed outputs come from a profile-smoke run. In profile full (a GPU run) sizes, and so printed numbers,
   differ by design: there saved outputs are not compared, and the claim checks are the test.
@@ -10,6 +10,12 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("MPLBACKEND", "Agg")
+# Tests start from an empty course folder: a checkpoint or worker file left by an earlier run (or by the
+# learner) must not change what a notebook does under test. COURSE_HOME set by the caller wins.
+if not os.environ.get("COURSE_HOME"):
+    import tempfile
+
+    os.environ["COURSE_HOME"] = tempfile.mkdtemp(prefix="course-test-home-")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
