@@ -100,3 +100,59 @@ def test_bad_repository_url(tmp_path):
     (tmp_path / "pyproject.toml").write_text('[project.urls]\nRepository = "not a url"\n')
     with pytest.raises(ValueError, match="GitHub URL"):
         colab.canonical_repo_url(tmp_path / "pyproject.toml")
+
+
+# ---------------------------------------------------------------------------- the lesson lives in the notebook
+LESSONS = [p for p in NOTEBOOKS if not p.stem.startswith("00_")]  # 00 is the tour: no lesson to predict
+
+
+@pytest.mark.parametrize("path", LESSONS, ids=[p.stem for p in LESSONS])
+def test_predict_then_measure(path):
+    cells = _cells(path)
+    predicts = [source for kind, source, meta in cells if kind == "code" and "predict" in meta.get("tags", [])]
+    assert len(predicts) >= 3, f"{path.name}: at least 3 cells tagged `predict` before headline measurements"
+    code = "\n".join(source for kind, source, _ in cells if kind == "code")
+    assert code.count("compare_prediction(") >= 3, "each prediction is compared with its measurement"
+    assert re.search(r'record\(\s*"prediction_cells"', code), "the notebook records prediction_cells"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_solutions_are_hidden_and_checkers_proven(path):
+    cells = _cells(path)
+    solutions = [(source, meta) for kind, source, meta in cells if kind == "code" and "solution" in meta.get("tags", [])]
+    assert solutions, f"{path.name}: an exercise solution in a cell tagged `solution`"
+    for source, meta in solutions:
+        assert meta.get("jupyter", {}).get("source_hidden") is True, "hidden in JupyterLab"
+        assert meta.get("cellView") == "form" and source.startswith("#@title"), "hidden on Colab (a form cell)"
+    code = "\n".join(source for kind, source, _ in cells if kind == "code")
+    assert "checker_rejects(" in code, "the exercise's checker is shown to reject a plausible wrong answer"
+    assert re.search(r'record\(\s*"exercise_checks_reject_wrong"', code)
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_no_package_source_printed(path):
+    code = "\n".join(source for kind, source, _ in _cells(path) if kind == "code")
+    assert "getsource" not in code, "the lesson's code lives in the notebook's cells, not printed from the package"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_product_text_stands_alone(path):
+    text = path.read_text()
+    assert "../shared" not in text and "shared/seeds" not in text, "nothing outside the repository is read or cited"
+    assert not re.search(r"\bissue #?\d+", text, re.I), "no issue numbers in product text"
+    assert not re.search(r"\bseed articles?\b|\bthe seed's\b|\bseed 00[0-3]\b", text, re.I), "cite the articles by title"
+
+
+def test_product_files_stand_alone():
+    """No product file reads or cites a folder outside the repository, names an issue, or says 'seed article'."""
+    files = [*ROOT.glob("course_utils/**/*.py"), *ROOT.glob("course_tools/**/*.py"), *ROOT.glob("scripts/*"),
+             ROOT / "README.md", *ROOT.glob("INSTRUCTORS.md"), *ROOT.glob("course_utils/data_files/*.txt")]
+    offenders = []
+    for path in files:
+        if not path.is_file():
+            continue
+        text = path.read_text(errors="replace")
+        if "../shared" in text or "shared/seeds" in text or re.search(r"\(issue \d+\)|\bissue #?1\d\b", text) \
+                or re.search(r"\bseed articles?\b|\bthe seed's\b", text, re.I):
+            offenders.append(path.relative_to(ROOT).as_posix())
+    assert not offenders, f"product files that do not stand alone: {offenders}"
