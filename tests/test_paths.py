@@ -114,3 +114,16 @@ def test_the_capstone_corpus_is_the_shipped_prose():
     text, source = capstone.course_corpus()
     assert len(text) > 50_000 and "shipped with the package" in source
     assert "When the model does not fit" not in text.splitlines()[0]  # the credit line is not training text
+
+
+def test_the_shipped_corpus_covers_every_notebook():
+    """The corpus is the notebooks' prose: a new notebook needs `python scripts/build_corpus.py`."""
+    import json
+
+    from course_utils import capstone
+
+    text, _ = capstone.course_corpus()
+    for path in sorted((REPO / "notebooks").glob("*.ipynb")):
+        cells = json.loads(path.read_text(encoding="utf-8"))["cells"]
+        title = next("".join(c["source"]).splitlines()[0] for c in cells if c["cell_type"] == "markdown")
+        assert title in text, f"{path.name} is missing from the shipped corpus: run python scripts/build_corpus.py"
