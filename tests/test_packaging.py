@@ -76,3 +76,33 @@ def test_installed_torch_is_inside_the_bounds_and_has_the_apis():
     from torch.distributed.fsdp import fully_shard  # noqa: F401
 
     assert hasattr(torch.Tensor, "register_post_accumulate_grad_hook")
+
+
+def _pyproject_dependencies() -> dict:
+    import tomllib
+
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    return {re.split(r"[<>=!~ ]", d)[0].lower(): d for d in deps}
+
+
+def test_pyproject_declares_what_course_utils_imports_with_the_requirements_bounds():
+    import sys
+
+    declared = _pyproject_dependencies()
+    requirements = {re.split(r"[<>=!~ ]", s)[0].lower(): s for s in
+                    (line.split("#")[0].strip() for line in (ROOT / "requirements.txt").read_text().splitlines()) if s}
+    for name, spec in declared.items():
+        assert requirements.get(name) == spec, f"pyproject has {spec!r}, requirements.txt {requirements.get(name)!r}"
+    import ast
+
+    imported = set()
+    for path in (ROOT / "course_utils").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                imported |= {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                imported.add(node.module.split(".")[0])
+    third_party = imported - set(sys.stdlib_module_names) - {"course_utils", "__future__"}
+    provided_by = {"IPython": "ipywidgets", "sklearn": "scikit-learn"}  # import name -> the package that brings it
+    missing = {m for m in third_party if provided_by.get(m, m).lower() not in declared}
+    assert not missing, f"course_utils imports {sorted(missing)}: declare them in pyproject's dependencies"
