@@ -223,8 +223,10 @@ def _run_notebook(args: dict) -> int:
     result["seconds"] = round(time.perf_counter() - start, 1)
     result["passed"] = code == 0 and not failures.texts
     if not result["passed"]:
-        text = "\n".join(failures.texts) or f"pytest exited with {code}"
-        result["error"] = re.sub(r"\x1b\[[0-9;]*m", "", text)[-6000:]  # no colours
+        text = failures.texts[0][-6000:] if failures.texts else f"pytest exited with {code}"  # the first failure
+        if len(failures.texts) > 1:
+            text += f"\n(and {len(failures.texts) - 1} more failing cell(s) after it)"
+        result["error"] = re.sub(r"\x1b\[[0-9;]*m", "", text)  # no colours
     report = Path(args["env"]["COURSE_INSTALLED_REPORT"])
     result["report"] = json.loads(report.read_text()) if report.is_file() else None
     Path(args["result"]).write_text(json.dumps(result, indent=1))
