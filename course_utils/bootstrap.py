@@ -22,6 +22,9 @@ COURSE_PACKAGES = {
     "mlxtend": "mlxtend>=0.23",
     "sklearn": "scikit-learn>=1.3",
     "psutil": "psutil>=5.9",
+    "torchao": "torchao>=0.18",
+    "peft": "peft>=0.21",
+    "accelerate": "accelerate>=1.0",
 }
 NEVER_INSTALL = {"torch", "torchvision", "torchaudio"}
 

@@ -44,6 +44,7 @@ from typing import Callable
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .hardware import cuda_context_from_counters
 from .units import GIB, MIB  # noqa: F401 - re-exported: notebooks import them from here
@@ -88,11 +89,16 @@ def storage_key(t: torch.Tensor) -> int:
 
 
 def tensor_bytes(*tensors: torch.Tensor) -> int:
-    """Bytes held by the given tensors' storages, each storage counted once."""
-    seen, total = set(), 0
-    for t in tensors:
+    """Bytes held by the given tensors' storages, each storage counted once; a subclass that wraps
+    tensors (torchao's 4-bit optimizer state: codes, scales, a map) holds theirs, not its shape's."""
+    seen, total, tensors = set(), 0, list(tensors)
+    while tensors:
+        t = tensors.pop()
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"tensor_bytes takes tensors, not {type(t).__name__}.")
+        if is_traceable_wrapper_subclass(t):
+            tensors += [getattr(t, name) for name in t.__tensor_flatten__()[0]]
+            continue
         key = storage_key(t)
         if key not in seen:
             seen.add(key)
@@ -353,6 +359,15 @@ class _MultiStepMemTracker(MemTracker if MemTracker is not None else object):
             if set(self._mod_tracker.parents) - {name} == {"Global"}:
                 self.reset_mod_stats()
         super()._pre_fw_hook(module, inputs)
+
+    def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
+        # Stock MemTracker hooks every parameter's gradient, and a frozen parameter (LoRA's base
+        # weights) refuses hooks: mark the frozen ones as hooked, with handles that remove nothing.
+        no_hook = type("NoHook", (), {"remove": lambda self: None})()
+        for param in module.parameters():
+            if not param.requires_grad and self._param_to_grad_hook_handles.get(param) is None:
+                self._param_to_grad_hook_handles[param] = (no_hook, no_hook)
+        return super()._track_module_params_and_buffers(module, install_grad_hooks)
 
     def _update_peak_stats(self, peak_state) -> None:
         # Stock MemTracker also updates the peak of every active module on every op, which costs

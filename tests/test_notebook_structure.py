@@ -52,7 +52,8 @@ def test_first_code_cell_is_the_bootstrap(path):
     assert match, f"{path.name}: the first code cell must be the standard bootstrap cell"
     assert match["url"] == URL
     assert match["name"] == path.stem, "course_utils.setup() must name the notebook after its file"
-    assert "torch" not in match["packages"].replace("torchvision", ""), "the bootstrap never installs torch"
+    assert "torch" not in match["packages"].replace("torchvision", "").replace("torchao", ""), \
+        "the bootstrap never installs torch"
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
