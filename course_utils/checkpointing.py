@@ -550,7 +550,8 @@ def chain_explorer(n: int = 9, strategies: Sequence[str] = ("store_all", "recomp
     """
     import ipywidgets as widgets
     import matplotlib.pyplot as plt
-    from IPython.display import display
+
+    from .plots import show_figure
 
     _check_n(n)
     if n > 16:
@@ -575,8 +576,7 @@ def chain_explorer(n: int = 9, strategies: Sequence[str] = ("store_all", "recomp
             ax_mem.axvline(slider.value + 1, color=CURRENT_EDGE, lw=1)
             ax_mem.set(xlabel="step", ylabel="live nodes")
             fig.tight_layout()
-            display(fig)
-            plt.close(fig)
+            show_figure(fig)
 
     picker.observe(redraw, names="value")
     slider.observe(redraw, names="value")

@@ -68,3 +68,22 @@ def plot_ledger(items: Mapping[str, object], *, budget_bytes: int | None = None,
     if title:
         ax.set_title(title)
     return ax
+
+
+def show_figure(fig, *, dpi: int = 100) -> None:
+    """Display ``fig`` as a PNG and close it: what a widget's output area shows on every front end.
+
+    ``display(fig)`` depends on the kernel's matplotlib backend: with a non-inline backend (``MPLBACKEND=Agg``,
+    common on servers and in CI) it shows only ``<Figure size ...>`` text. A PNG shows everywhere.
+    """
+    import io
+
+    import matplotlib.pyplot as plt
+    from IPython.display import Image, display
+
+    if not hasattr(fig, "savefig"):
+        raise TypeError(f"show_figure takes a matplotlib Figure, not {type(fig).__name__}.")
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=dpi, bbox_inches="tight")
+    plt.close(fig)
+    display(Image(data=buffer.getvalue(), format="png"))

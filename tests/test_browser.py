@@ -54,12 +54,18 @@ def lab(tmp_path_factory):
     for name in ("00_start_here.ipynb", "03_gradient_checkpointing.ipynb"):
         shutil.copy(ROOT / "notebooks" / name, folder / name)
     port = _free_port()
+    # Render every cell, not only those in view (JupyterLab 4 windows long notebooks), so widgets exist to be driven.
+    settings = folder / "lab-settings" / "@jupyterlab" / "notebook-extension"
+    settings.mkdir(parents=True)
+    (settings / "tracker.jupyterlab-settings").write_text('{"windowingMode": "none"}')
     env = dict(os.environ, COURSE_PROFILE="smoke", COURSE_HOME=str(folder / "home"),
                JUPYTER_CONFIG_DIR=str(folder / "jupyter-config"), HOME=str(folder))
+    env.pop("MPLBACKEND", None)  # a learner's kernel has the inline backend, not the test harness's Agg
     log = open(folder / "lab.log", "w")
     cmd = [sys.executable, "-m", "jupyter", "lab", "--no-browser", f"--port={port}", "--ip=127.0.0.1",
            f"--ServerApp.token={TOKEN}", f"--ServerApp.root_dir={folder}", "--allow-root",
-           "--LabApp.news_url=", "--ServerApp.open_browser=False"]
+           "--LabApp.news_url=", "--ServerApp.open_browser=False",
+           f"--LabApp.user_settings_dir={folder / 'lab-settings'}"]
     server = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 90
@@ -108,14 +114,14 @@ def _run_all(driver, lab_url: str, notebook: str) -> None:
     driver.get(f"{lab_url}/lab/tree/{notebook}?token={TOKEN}")
     _wait(driver, lambda d: d.find_elements(By.CSS_SELECTOR, ".jp-Notebook .jp-Cell"), 120, "notebook never opened")
     _wait(driver, lambda d: "Idle" in _kernel_status(d), 120, "kernel never became idle")
-    # Run > Run All Cells, through JupyterLab's command palette (stable across versions)
-    body = driver.find_element(By.TAG_NAME, "body")
-    body.send_keys(Keys.CONTROL, Keys.SHIFT, "c")
-    palette = _wait(driver, lambda d: d.find_elements(By.CSS_SELECTOR, ".lm-CommandPalette-input"), 20,
-                    "command palette did not open")[0]
-    palette.send_keys("Run All Cells")
-    time.sleep(0.5)
-    palette.send_keys(Keys.ENTER)
+    # Run > Run All Cells, from the menu bar as a learner would
+    run_menu = _wait(driver, lambda d: [e for e in d.find_elements(By.CSS_SELECTOR, ".lm-MenuBar-itemLabel")
+                                        if e.text.strip() == "Run"], 20, "no Run menu")[0]
+    run_menu.click()
+    run_all = _wait(driver, lambda d: [e for e in d.find_elements(By.CSS_SELECTOR, ".lm-Menu-itemLabel")
+                                       if e.text.strip() == "Run All Cells" and e.is_displayed()], 20,
+                    "no 'Run All Cells' in the Run menu")[0]
+    run_all.click()
     time.sleep(2)
     _wait(driver, lambda d: "Idle" in _kernel_status(d) and not _busy_prompts(d), 300,
           "cells did not finish running within 300 s")
@@ -143,10 +149,12 @@ def _widget_images(driver, container) -> list[str]:
 
 
 def _labelled(driver, css: str, label: str):
-    """The widget of class ``css`` whose description label reads ``label``."""
+    """The widget of class ``css`` whose description label reads ``label``, scrolled into view."""
     for widget in driver.find_elements(By.CSS_SELECTOR, css):
         labels = widget.find_elements(By.CSS_SELECTOR, "label, .widget-label")
-        if any(lab.text.strip() == label for lab in labels):
+        if any(lab.get_attribute("textContent").strip() == label for lab in labels):
+            driver.execute_script("arguments[0].scrollIntoView({block: 'center'});", widget)
+            time.sleep(0.5)
             return widget
     raise AssertionError(f"no {css} labelled {label!r} on the page")
 
@@ -156,8 +164,8 @@ def test_planner_widget_redraws_in_00(lab, browser):
     assert not _page_errors(browser), _page_errors(browser)
     model_box = _labelled(browser, ".widget-dropdown", "model")
     panel = model_box.find_element(By.XPATH, CELL_OF)
-    before_text, before_imgs = panel.text, _widget_images(browser, panel)
-    assert before_imgs, "the planner shows no chart"
+    before_imgs = _wait(browser, lambda d: _widget_images(d, panel), 30, "the planner shows no chart")
+    before_text = panel.text
 
     select = Select(model_box.find_element(By.TAG_NAME, "select"))
     current = select.first_selected_option.text
@@ -183,8 +191,7 @@ def test_checkpointing_slider_redraws_in_03(lab, browser):
     assert not _page_errors(browser), _page_errors(browser)
     slider = _labelled(browser, ".widget-slider", "step")
     panel = slider.find_element(By.XPATH, CELL_OF)
-    before = _widget_images(browser, panel)
-    assert before, "the checkpointing explorer shows no drawing"
+    before = _wait(browser, lambda d: _widget_images(d, panel), 30, "the checkpointing explorer shows no drawing")
     handle = slider.find_element(By.CSS_SELECTOR, ".noUi-handle, .ui-slider-handle, [role='slider']")
     handle.click()
     for _ in range(3):

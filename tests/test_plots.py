@@ -51,3 +51,15 @@ def test_bad_input_is_explained(items, match):
 def test_unknown_unit():
     with pytest.raises(ValueError, match="GiB"):
         plots.plot_ledger(_ledger(), unit="GB")
+
+
+def test_show_figure_displays_a_png_whatever_the_backend(monkeypatch):
+    shown = []
+    monkeypatch.setattr("IPython.display.display", lambda obj: shown.append(obj))
+    fig, ax = plt.subplots()
+    ax.plot([1, 2])
+    plots.show_figure(fig)
+    assert shown and shown[0].format == "png" and shown[0].data.startswith(b"\x89PNG")
+    assert not plt.fignum_exists(fig.number), "the figure is closed once shown"
+    with pytest.raises(TypeError, match="Figure"):
+        plots.show_figure("not a figure")

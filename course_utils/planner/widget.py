@@ -159,7 +159,8 @@ def planner_widget():
     """
     import ipywidgets as w
     import matplotlib.pyplot as plt
-    from IPython.display import display
+
+    from ..plots import show_figure
 
     style = {"description_width": "130px"}
     layout = w.Layout(width="460px")
@@ -225,7 +226,7 @@ def planner_widget():
         out.clear_output(wait=True)
         with out:
             if result.ok:
-                display(result.figure)
+                show_figure(result.figure)
                 print(result.message)
             else:
                 print("⚠ " + result.message)
