@@ -70,9 +70,12 @@ def _check_args(n_samples, image_size, source, download_timeout, seed) -> None:
 
 
 def default_root() -> Path:
-    """Where torchvision's MNIST lives: ``$COURSE_DATA_DIR`` or ``./data`` (git-ignored in notebooks/)."""
+    """Where torchvision's MNIST lives: ``$COURSE_DATA_DIR``, else ``data/`` in the course folder
+    (:func:`course_utils.paths.course_home`), never the folder a notebook happens to run in."""
+    from .paths import course_home
+
     custom = os.environ.get("COURSE_DATA_DIR")
-    return Path(custom).expanduser() if custom else Path.cwd() / "data"
+    return Path(custom).expanduser() if custom else course_home() / "data"
 
 
 def _reachable(host: tuple[str, int], timeout: float) -> bool:

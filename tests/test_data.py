@@ -117,3 +117,13 @@ def test_too_many_samples_names_the_limit():
 def test_normalize_rejects_floats():
     with pytest.raises(TypeError, match="uint8"):
         data.normalize(torch.rand(2, 28, 28))
+
+
+def test_downloads_go_to_the_course_folder(tmp_path, monkeypatch):
+    from course_utils import data
+
+    monkeypatch.delenv("COURSE_DATA_DIR", raising=False)
+    monkeypatch.setenv("COURSE_HOME", str(tmp_path / "home"))
+    assert data.default_root() == tmp_path / "home" / "data"
+    monkeypatch.setenv("COURSE_DATA_DIR", str(tmp_path / "mine"))
+    assert data.default_root() == tmp_path / "mine"
