@@ -69,10 +69,9 @@ def requirements(path: Path | None = None) -> dict[str, str]:
 
 
 def _in_range(version: str, specifier: str) -> bool:
-    from packaging.specifiers import SpecifierSet
-    from packaging.version import Version
+    from course_utils.versions import in_range  # one reading of versions and ranges for the course
 
-    return not specifier or Version(version) in SpecifierSet(specifier)
+    return in_range(version, specifier)
 
 
 def check_python(version_info=None) -> Item:

@@ -3,68 +3,46 @@
 The tested ranges are course_utils' declared requirements, read from the installed package's
 metadata (``importlib.metadata.requires("course_utils")``: the dependencies and extras in
 ``pyproject.toml``), so they are written in one place. :func:`version_report` says, package by
-package, whether the installed version is inside its range, and says it loudly when it is not.
+package, whether the installed version is inside its range, and says it loudly when it is not. Versions and
+ranges are read by ``packaging`` (PEP 440), as pip reads them.
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from importlib import metadata
 
+from packaging.requirements import InvalidRequirement, Requirement
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
+from packaging.utils import canonicalize_name
+from packaging.version import InvalidVersion, Version
+
 PACKAGES = ("torch", "transformers", "ipywidgets", "bitsandbytes")
 STATUSES = ("ok", "outside", "not installed", "no range declared")
-_REQUIREMENT = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*(\[[^\]]*\])?\s*\(?([^;)]*)\)?\s*(;.*)?$")
-_CLAUSE = re.compile(r"^\s*(~=|==|!=|<=|>=|<|>)\s*([0-9][0-9A-Za-z.*+!-]*)\s*$")
 
 
 def _normalize(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
+    return canonicalize_name(name)
 
 
-def parse_version(version: str) -> tuple:
-    """A comparable key for a version string: '2.14.1+cu130' -> ((2, 14, 1), 0); '2.5.0rc1' sorts before '2.5.0'.
-
-    The local part (``+cu130``) is ignored; a pre- or dev release counts as before its release.
-    """
+def parse_version(version: str) -> Version:
+    """``packaging``'s reading of a version string (PEP 440): '2.14.1+cu130' compares as 2.14.1 against a
+    bound, '2.5.0rc1' comes before '2.5.0'."""
     if not isinstance(version, str):
         raise TypeError(f"version must be a string such as '2.6.0', not {type(version).__name__}.")
-    public = version.strip().split("+")[0]
-    match = re.match(r"^v?(\d+(?:\.\d+)*)(.*)$", public)
-    if not match:
-        raise ValueError(f"Cannot read the version {version!r}: expected numbers separated by dots, e.g. '2.6.0'.")
-    release = tuple(int(part) for part in match.group(1).split("."))
-    while len(release) > 1 and release[-1] == 0:
-        release = release[:-1]
-    rest = match.group(2).lower()
-    pre = -1 if re.match(r"^[.-]?(a|b|c|rc|alpha|beta|pre|preview|dev)", rest) else 0
-    return release, pre
-
-
-def _satisfies(version: str, clause: str) -> bool:
-    match = _CLAUSE.match(clause)
-    if not match:
-        raise ValueError(f"Cannot read the version bound {clause!r}: expected e.g. '>=2.6' or '<=2.14.1'.")
-    op, bound = match.groups()
-    have = parse_version(version)
-
-    def starts_with(prefix):
-        return (have[0] + (0,) * len(prefix))[:len(prefix)] == prefix
-
-    if bound.endswith(".*"):  # ==2.6.* / !=2.6.*
-        inside = starts_with(tuple(int(p) for p in bound[:-2].split(".")))
-        return inside if op == "==" else not inside
-    want = parse_version(bound)
-    if op == "~=":  # compatible release: >= the bound, same release up to the bound's next-to-last part
-        parts = tuple(int(p) for p in re.findall(r"\d+", bound.split("+")[0].split("rc")[0]))
-        return have >= want and starts_with(parts[:-1] if len(parts) > 1 else parts)
-    return {"==": have == want, "!=": have != want, "<=": have <= want, ">=": have >= want,
-            "<": have < want, ">": have > want}[op]
+    try:
+        return Version(version.strip())
+    except InvalidVersion:
+        raise ValueError(f"Cannot read the version {version!r}: expected numbers separated by dots, e.g. '2.6.0'.") from None
 
 
 def in_range(version: str, specifier: str) -> bool:
     """True when ``version`` meets every clause of ``specifier`` (e.g. '>=2.6,<=2.14.1'; '' = any)."""
-    clauses = [c for c in specifier.split(",") if c.strip()]
-    return all(_satisfies(version, clause) for clause in clauses)
+    installed = parse_version(version)
+    try:
+        spec = SpecifierSet(specifier.replace(" ", ""))
+    except InvalidSpecifier:
+        raise ValueError(f"Cannot read the version bound {specifier!r}: expected e.g. '>=2.6' or '<=2.14.1'.") from None
+    return spec.contains(installed)
 
 
 def declared_ranges(distribution: str = "course_utils") -> dict:
@@ -79,10 +57,11 @@ def declared_ranges(distribution: str = "course_utils") -> dict:
                          f"install it (`pip install -e .` in the course folder) and run this again.") from err
     ranges: dict = {}
     for line in requirements:
-        match = _REQUIREMENT.match(line)
-        if not match:
+        try:
+            requirement = Requirement(line)
+        except InvalidRequirement:
             continue
-        name, spec = _normalize(match.group(1)), match.group(3).replace(" ", "")
+        name, spec = _normalize(requirement.name), str(requirement.specifier)
         ranges[name] = ",".join(c for c in (ranges.get(name, ""), spec) if c)
     return ranges
 
