@@ -20,7 +20,13 @@ largest:
 
 On CUDA, ``overhead`` = what the card needs beyond the tensors: the caching allocator's reserve
 and the CUDA context (``course_utils.hardware.gpu_bytes_needed``). A plan fits when tensors +
-overhead fit the card's memory.
+overhead fit the card's memory. The reserve stays a flat fraction of the tensors
+(``hardware.ALLOCATOR_RESERVE_FRACTION``, 5%) rather than a replay of each plan through the allocator
+simulator (``course_utils.allocator``, notebook 01b): replayed, fake training steps of GPT-2 (124M,
+8 x 512) and GPT-2-XL (1 x 1024) reserved 2.5% and 4.9% above their tensor peaks, so 5% holds for the
+models the planner is for, and a replay costs about half a minute per plan. Small models differ
+(their reserve is a few fixed 2 MiB / 20 MiB segments, not a fraction), which matters little
+against a card's gigabytes.
 
 Attention (transformers): ``attention='fused'`` (the default on CUDA) prices PyTorch's SDPA
 kernels, ``'math'`` the written-out attention that keeps T x T tensors; a CPU trains with the math
