@@ -24,16 +24,12 @@ allocator's own counters, read at the start and at the end of ``fn`` and combine
 report also gives the allocator's reserved peak and the CUDA context (from
 ``torch.cuda.mem_get_info``), the two things ``nvidia-smi`` sees on top of the tensors.
 
-Allocated, reserved, and what runs out
---------------------------------------
-``max_memory_allocated`` is the peak of live tensors. The caching allocator keeps freed blocks
-(``memory_reserved``) to reuse them. An out-of-memory error happens when a request finds no cached
-block big enough and the driver cannot give the allocator a new one: reserved memory plus the new
-request exceeds what the card has free (its memory less the CUDA context and other processes).
-So the allocated peak is a lower bound of what a step needs; fragmentation can make it fail earlier.
+An out-of-memory error comes when reserved memory plus a new request exceeds what the card has
+free (less the CUDA context and other processes), so the allocated peak is a lower bound of what a
+step needs (notebook 01b).
 
-``MemTracker`` is a private API; everything the course uses of it lives in this file and
-``tests/test_memory.py`` pins its behaviour.
+``MemTracker`` is a private API; this file and ``course_utils.timeline`` use it, and
+``tests/test_memory.py`` / ``tests/test_timeline.py`` pin its behaviour.
 """
 from __future__ import annotations
 
