@@ -167,26 +167,14 @@ class CudaCounters:
         if not torch.cuda.is_available():
             raise ValueError("No CUDA GPU here: there is no caching allocator to read (pass a fake counter source in tests).")
 
-    def synchronize(self) -> None:
-        torch.cuda.synchronize(self.device)
-
-    def empty_cache(self) -> None:
-        torch.cuda.empty_cache()
-
-    def reset_peak_memory_stats(self) -> None:
-        torch.cuda.reset_peak_memory_stats(self.device)
-
-    def memory_allocated(self) -> int:
-        return int(torch.cuda.memory_allocated(self.device))
-
-    def max_memory_allocated(self) -> int:
-        return int(torch.cuda.max_memory_allocated(self.device))
-
-    def memory_reserved(self) -> int:
-        return int(torch.cuda.memory_reserved(self.device))
-
-    def max_memory_reserved(self) -> int:
-        return int(torch.cuda.max_memory_reserved(self.device))
+    # torch.cuda's own counters, one method each (a fake counter source implements the same names)
+    def synchronize(self) -> None: torch.cuda.synchronize(self.device)  # noqa: E704
+    def empty_cache(self) -> None: torch.cuda.empty_cache()  # noqa: E704
+    def reset_peak_memory_stats(self) -> None: torch.cuda.reset_peak_memory_stats(self.device)  # noqa: E704
+    def memory_allocated(self) -> int: return int(torch.cuda.memory_allocated(self.device))  # noqa: E704
+    def max_memory_allocated(self) -> int: return int(torch.cuda.max_memory_allocated(self.device))  # noqa: E704
+    def memory_reserved(self) -> int: return int(torch.cuda.memory_reserved(self.device))  # noqa: E704
+    def max_memory_reserved(self) -> int: return int(torch.cuda.max_memory_reserved(self.device))  # noqa: E704
 
     def mem_get_info(self) -> tuple[int, int]:
         """(free, total) bytes of the whole card, as the driver (and nvidia-smi) sees it."""
