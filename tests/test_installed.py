@@ -367,7 +367,7 @@ def _repo_snapshot() -> dict:
 def installed_runs(request, tmp_path_factory, wheel, dependencies, isolation) -> dict:
     """Run the selected notebooks, PARALLEL at a time; {notebook: result}."""
     wanted = [item.callspec.params["notebook"] for item in request.session.items
-              if item.originalname == "test_notebook_runs_as_installed" and hasattr(item, "callspec")]
+              if getattr(item, "originalname", None) == "test_notebook_runs_as_installed" and hasattr(item, "callspec")]
     wanted = sorted(set(wanted)) or NOTEBOOKS
     base = tmp_path_factory.mktemp("installed")
     snapshot = _repo_snapshot()
