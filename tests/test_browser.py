@@ -32,6 +32,7 @@ pytestmark = [
 ]
 selenium = pytest.importorskip("selenium", reason=f"selenium is not installed: {INSTALL}")
 from selenium import webdriver  # noqa: E402
+from selenium.common.exceptions import StaleElementReferenceException  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.common.keys import Keys  # noqa: E402
 from selenium.webdriver.support.ui import Select, WebDriverWait  # noqa: E402
@@ -107,7 +108,9 @@ def browser(request):
 
 
 def _wait(driver, condition, timeout, message):
-    return WebDriverWait(driver, timeout, poll_frequency=0.5).until(lambda d: condition(d), message=message)
+    # a widget that redraws replaces its DOM nodes: a node read mid-redraw is "not yet", not a failure
+    return WebDriverWait(driver, timeout, poll_frequency=0.5, ignored_exceptions=(StaleElementReferenceException,)
+                         ).until(lambda d: condition(d), message=message)
 
 
 def _run_all(driver, lab_url: str, notebook: str) -> None:
@@ -159,26 +162,35 @@ def _labelled(driver, css: str, label: str):
     raise AssertionError(f"no {css} labelled {label!r} on the page")
 
 
-def test_planner_widget_redraws_in_00(lab, browser):
-    _run_all(browser, lab, "00_start_here.ipynb")
+def _open_widget(browser, lab_url: str, notebook: str, css: str, label: str, what: str):
+    """Run ``notebook`` from the Run menu and return (the widget labelled ``label``, its cell, the cell's images)."""
+    _run_all(browser, lab_url, notebook)
     assert not _page_errors(browser), _page_errors(browser)
-    model_box = _labelled(browser, ".widget-dropdown", "model")
-    panel = model_box.find_element(By.XPATH, CELL_OF)
-    before_imgs = _wait(browser, lambda d: _widget_images(d, panel), 30, "the planner shows no chart")
-    before_text = panel.text
+    widget = _labelled(browser, css, label)
+    cell = widget.find_element(By.XPATH, CELL_OF)
+    images = _wait(browser, lambda d: _widget_images(d, cell), 30, f"the {what} shows no drawing")
+    return widget, cell, images
 
-    select = Select(model_box.find_element(By.TAG_NAME, "select"))
+
+def _choose_another(dropdown) -> str:
+    """Pick an option of ``dropdown`` other than the current one (and not the custom entries); return it."""
+    select = Select(dropdown.find_element(By.TAG_NAME, "select"))
     current = select.first_selected_option.text
-    new = next(o.text for o in select.options if o.text != current and "custom" not in o.text)
-    select.select_by_visible_text(new)
+    choice = next(o.text for o in select.options if o.text != current and "custom" not in o.text)
+    select.select_by_visible_text(choice)
+    return choice
+
+
+def test_planner_widget_redraws_in_00(lab, browser):
+    model_box, panel, before_imgs = _open_widget(browser, lab, "00_start_here.ipynb", ".widget-dropdown", "model",
+                                                 "planner")
+    before_text = panel.text
+    new = _choose_another(model_box)
     _wait(browser, lambda d: panel.text != before_text and _widget_images(d, panel) != before_imgs, 60,
           f"changing the model to {new!r} did not redraw the verdict and the chart")
     after_model_text, after_model_imgs = panel.text, _widget_images(browser, panel)
 
-    gpu_select = Select(_labelled(browser, ".widget-dropdown", "GPU").find_element(By.TAG_NAME, "select"))
-    current_gpu = gpu_select.first_selected_option.text
-    new_gpu = next(o.text for o in gpu_select.options if o.text != current_gpu and "custom" not in o.text)
-    gpu_select.select_by_visible_text(new_gpu)
+    new_gpu = _choose_another(_labelled(browser, ".widget-dropdown", "GPU"))
     _wait(browser, lambda d: panel.text != after_model_text or _widget_images(d, panel) != after_model_imgs, 60,
           f"changing the GPU to {new_gpu!r} did not redraw the verdict or the chart")
     assert not _page_errors(browser), _page_errors(browser)
@@ -187,11 +199,8 @@ def test_planner_widget_redraws_in_00(lab, browser):
 
 
 def test_checkpointing_slider_redraws_in_03(lab, browser):
-    _run_all(browser, lab, "03_gradient_checkpointing.ipynb")
-    assert not _page_errors(browser), _page_errors(browser)
-    slider = _labelled(browser, ".widget-slider", "step")
-    panel = slider.find_element(By.XPATH, CELL_OF)
-    before = _wait(browser, lambda d: _widget_images(d, panel), 30, "the checkpointing explorer shows no drawing")
+    slider, panel, before = _open_widget(browser, lab, "03_gradient_checkpointing.ipynb", ".widget-slider", "step",
+                                         "checkpointing explorer")
     handle = slider.find_element(By.CSS_SELECTOR, ".noUi-handle, .ui-slider-handle, [role='slider']")
     handle.click()
     for _ in range(3):
