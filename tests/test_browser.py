@@ -151,7 +151,7 @@ def _widget_images(driver, container) -> list[str]:
     return [img.get_attribute("src")[-200:] for img in container.find_elements(By.CSS_SELECTOR, "img")]
 
 
-def _labelled(driver, css: str, label: str):
+def _labelled(driver, css: str, label: str, required: bool = True):
     """The widget of class ``css`` whose description label reads ``label``, scrolled into view."""
     for widget in driver.find_elements(By.CSS_SELECTOR, css):
         labels = widget.find_elements(By.CSS_SELECTOR, "label, .widget-label")
@@ -159,14 +159,17 @@ def _labelled(driver, css: str, label: str):
             driver.execute_script("arguments[0].scrollIntoView({block: 'center'});", widget)
             time.sleep(0.5)
             return widget
-    raise AssertionError(f"no {css} labelled {label!r} on the page")
+    if required:
+        raise AssertionError(f"no {css} labelled {label!r} on the page")
+    return None
 
 
 def _open_widget(browser, lab_url: str, notebook: str, css: str, label: str, what: str):
     """Run ``notebook`` from the Run menu and return (the widget labelled ``label``, its cell, the cell's images)."""
     _run_all(browser, lab_url, notebook)
     assert not _page_errors(browser), _page_errors(browser)
-    widget = _labelled(browser, css, label)
+    widget = _wait(browser, lambda d: _labelled(d, css, label, required=False), 60,
+                   f"no {css} labelled {label!r} appeared on the page")
     cell = widget.find_element(By.XPATH, CELL_OF)
     images = _wait(browser, lambda d: _widget_images(d, cell), 30, f"the {what} shows no drawing")
     return widget, cell, images
