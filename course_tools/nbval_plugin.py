@@ -75,21 +75,22 @@ def _vm_hwm_bytes(pid: int) -> int:
 
 
 class KernelMemorySampler:
-    """Peak RSS of a kernel process plus the processes it spawns (07's workers), sampled in a thread.
+    """Peak resident memory of a kernel process together with the processes it spawns, sampled in a thread.
 
-    The kernel's own peak is exact (the kernel's VmHWM). The children count by their proportional set
-    size (PSS: pages shared between processes, such as libtorch mapped by every rank, count once, as a
-    session's memory limit counts them), summed over the children alive at each sample; the largest
-    such sum is added to the kernel's peak although the two may not coincide, which errs on the high
-    side. A child living less than ``interval`` seconds can be missed.
+    What a session's memory limit sees is the sum at one moment, so every sample adds the kernel's
+    resident set to the children's proportional set sizes (PSS: pages shared between processes, such
+    as libtorch mapped by every rank, count once) and the largest such sum is kept. The kernel's own
+    peak is also read exactly (its VmHWM), so a kernel spike shorter than ``interval`` still counts,
+    alone. A child living less than ``interval`` seconds can be missed.
     """
 
     def __init__(self, pid: int, interval: float = 0.1):
         import threading
 
         self.pid, self.interval = pid, interval
-        self.children_peak = 0
-        self.kernel_peak = 0
+        self.children_peak = 0   # the largest sum over the children at one sample
+        self.kernel_peak = 0     # the kernel alone: its VmHWM
+        self.together_peak = 0   # the kernel's RSS + its children's PSS, at one sample
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="kernel-rss")
         self._thread.start()
@@ -99,7 +100,9 @@ class KernelMemorySampler:
 
         self.kernel_peak = max(self.kernel_peak, _vm_hwm_bytes(self.pid))
         try:
-            children = psutil.Process(self.pid).children(recursive=True)
+            kernel = psutil.Process(self.pid)
+            kernel_now = kernel.memory_info().rss
+            children = kernel.children(recursive=True)
         except Exception:
             return
         now = 0
@@ -110,6 +113,7 @@ class KernelMemorySampler:
                 continue
             now += getattr(info, "pss", info.rss)
         self.children_peak = max(self.children_peak, now)
+        self.together_peak = max(self.together_peak, kernel_now + now)
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -118,7 +122,7 @@ class KernelMemorySampler:
 
     def peak_bytes(self) -> int:
         self._sample()
-        return self.kernel_peak + self.children_peak
+        return max(self.kernel_peak, self.together_peak)
 
     def stop(self) -> int:
         peak = self.peak_bytes()

@@ -35,6 +35,43 @@ def test_children_are_counted():
     assert peak >= 200 * 2**20
 
 
+def _parent_and_child(parent_mib_before, parent_mib_during):
+    """A parent that touches parent_mib_before MiB, frees it, then holds parent_mib_during MiB while a
+    child holds 200 MiB; returns the sampler after both are done."""
+    touch = "b = bytearray({} * 2**20); b[::4096] = b'x' * len(b[::4096])"
+    parent_code = ("import subprocess, sys, time\n"
+                   + touch.format(parent_mib_before) + "\ndel b\n"
+                   + touch.format(parent_mib_during) + "\n"
+                   "c = subprocess.Popen([sys.executable, '-c', "
+                   "\"b = bytearray(200 * 2**20); b[::4096] = b'x' * len(b[::4096]); import time; time.sleep(2)\"])\n"
+                   "c.wait()\n")
+    proc = subprocess.Popen([sys.executable, "-c", parent_code])
+    try:
+        sampler = nbval_plugin.KernelMemorySampler(proc.pid, interval=0.05)
+        proc.wait()
+        sampler.stop()
+    finally:
+        proc.wait()
+    return sampler
+
+
+def test_a_child_alongside_the_kernel_adds_to_it():
+    sampler = _parent_and_child(parent_mib_before=0, parent_mib_during=300)
+    assert sampler.together_peak >= 500 * 2**20, (
+        f"kernel 300 MiB + child 200 MiB at once read {sampler.together_peak / 2**20:.0f} MiB")
+
+
+def test_a_child_after_the_kernels_peak_is_not_added_to_that_peak():
+    # The parent peaks at 400 MiB, frees it, and only then a 200 MiB child runs: a memory limit never
+    # sees 600 MiB at once, so the reported peak must stay well under that sum.
+    sampler = _parent_and_child(parent_mib_before=400, parent_mib_during=0)
+    peak = max(sampler.kernel_peak, sampler.together_peak)
+    assert sampler.kernel_peak >= 400 * 2**20
+    assert sampler.children_peak >= 190 * 2**20, "the child was not seen"
+    assert peak < sampler.kernel_peak + 150 * 2**20, (
+        f"{peak / 2**20:.0f} MiB: the child was added to a kernel peak it did not coincide with")
+
+
 def test_a_vanished_process_reads_zero():
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait()
