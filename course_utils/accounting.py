@@ -1,17 +1,5 @@
-"""Memory accounting (notebook 01): where does GPU memory go?
-
-The helpers behind the lesson's measurements; the training loops and the saved-tensor hook stay in
-the notebook, and the measuring itself (``measure_memory``, ``live_bytes_over_steps``, byte counts)
-is :mod:`course_utils.memory`.
-
-- :func:`gpu_monitor` runs ``nvidia-smi`` / ``gpustat`` when installed (``nvtop`` is interactive and is
-  only located), and says what each would show where it is absent. It never fails.
-- :func:`seed_multiplier` the article's ``params x n`` rule (n=2 SGD, n=4 Adam).
-- :func:`modelsize` the article's ``modelsize()`` (module outputs of a Sequential, x2 for backward),
-  :func:`module_output_bytes` the same count for any model (forward hooks).
-- :func:`largest_batch_that_fits` doubling + bisection over a monotone ``peak(batch)``.
-- :func:`quick_wins_frame` / :func:`plot_quick_wins` the before/after table and plot of the quick wins.
-"""
+"""Memory accounting helpers (notebook 01): GPU monitors, the article's modelsize(), the largest batch that
+fits, the quick-wins table. The measuring itself is :mod:`course_utils.memory`."""
 from __future__ import annotations
 
 import math
@@ -26,10 +14,6 @@ from torch import nn
 from .memory import iter_tensors
 from .units import MIB
 
-
-# ---------------------------------------------------------------------------------------------
-# 1. Monitoring
-# ---------------------------------------------------------------------------------------------
 
 MONITOR_TOOLS = {
     "nvidia-smi": dict(
@@ -78,12 +62,7 @@ class ToolReport:
 
 def gpu_monitor(tools: Iterable[str] = ("nvidia-smi", "gpustat", "nvtop"), *, timeout_s: float = 10.0,
                 run: bool = True) -> list[ToolReport]:
-    """Run the GPU monitors that are installed; for the others, say what they would show.
-
-    Never raises because of the machine: a missing tool, a tool that fails (no driver) or hangs
-    (``timeout_s``) gives a report that says so. ``nvtop`` is interactive, so it is only located.
-    Raises ``ValueError`` only for a tool name it does not know.
-    """
+    """Run the GPU monitors that are installed; for the others, say what they would show."""
     if isinstance(tools, str):
         tools = (tools,)
     tools = list(tools)
@@ -114,10 +93,6 @@ def gpu_monitor(tools: Iterable[str] = ("nvidia-smi", "gpustat", "nvtop"), *, ti
     return reports
 
 
-# ---------------------------------------------------------------------------------------------
-# 2. The article's rule for the persistent state
-# ---------------------------------------------------------------------------------------------
-
 # The article: "memory = params x n", n = 2 for SGD (weights + grads) and 4 for Adam (+ m and v).
 # It says nothing of momentum, which keeps one more copy: n = 3.
 _SEED_N = {"sgd": 2, "sgd_momentum": 3, "adam": 4, "adamw": 4}
@@ -132,10 +107,6 @@ def seed_multiplier(optimizer: str) -> int:
         raise ValueError(f"The params x n rule covers {sorted(_SEED_N)}, not {optimizer!r} (8-bit Adam is notebook 05).")
     return _SEED_N[key]
 
-
-# ---------------------------------------------------------------------------------------------
-# 3. Activations as the article counts them: module outputs
-# ---------------------------------------------------------------------------------------------
 
 @dataclass
 class ModelSize:
@@ -158,12 +129,7 @@ def _check_type_size(type_size) -> int:
 
 
 def modelsize(model: nn.Module, input: torch.Tensor, type_size: int = 4) -> ModelSize:
-    """The article's ``modelsize()``: feed ``input`` through ``model.modules()`` one after the other.
-
-    Faithful to the original (skips in-place ReLUs, counts every other module's output), so it only
-    means something for an ``nn.Sequential`` of leaf modules; for anything else use
-    :func:`module_output_bytes`. Runs without gradients.
-    """
+    """The article's ``modelsize()``: feed ``input`` through ``model.modules()`` one after the other."""
     if not isinstance(model, nn.Sequential):
         raise TypeError(
             f"modelsize() chains model.modules() in order, which only works for an nn.Sequential, not "
@@ -188,12 +154,7 @@ def modelsize(model: nn.Module, input: torch.Tensor, type_size: int = 4) -> Mode
 
 
 def module_output_bytes(model: nn.Module, *inputs, skip_inplace: bool = True, **kwargs):
-    """Bytes of every leaf module's output in one forward pass (the article's count, for any model).
-
-    Returns ``(total_bytes, frame)`` where ``frame`` has one row per leaf module call
-    (module, type, shape, bytes). Outputs of in-place modules (``ReLU(inplace=True)``) are skipped as
-    the article does; ops that are not modules (``F.relu``, ``x + y``) are invisible to it by design.
-    """
+    """Bytes of every leaf module's output in one forward pass (the article's count, for any model)."""
     import pandas as pd
 
     if not isinstance(model, nn.Module):
@@ -220,10 +181,6 @@ def module_output_bytes(model: nn.Module, *inputs, skip_inplace: bool = True, **
     frame = pd.DataFrame(rows, columns=["module", "type", "shape", "bytes"])
     return int(frame["bytes"].sum()), frame
 
-
-# ---------------------------------------------------------------------------------------------
-# 4. The largest batch that fits a budget
-# ---------------------------------------------------------------------------------------------
 
 @dataclass
 class BatchSearch:
@@ -254,16 +211,8 @@ def _peak_of(result) -> int:
 
 def largest_batch_that_fits(peak: Callable[[int], object], budget_bytes: int, *, start: int = 1,
                             max_batch: int = 1 << 20) -> BatchSearch:
-    """Largest batch size whose measured peak stays within ``budget_bytes``.
-
-    ``peak(batch)`` measures one training step at that batch size and returns a
-    :class:`~course_utils.memory.MemoryReport` (from ``measure_memory``) or a byte count; a
-    ``torch.OutOfMemoryError`` counts as "does not fit". Doubles from ``start`` until a batch
-    does not fit, then narrows the bracket, alternating a guess from the straight line through
-    the bracket's two peaks (checked with its neighbour) and a bisection step: a handful of
-    measurements when the peak is linear in the batch, never more than about 2 log2(answer) + a few.
-    Assumes the peak grows with the batch (it does: activations are linear in it).
-    """
+    """Largest batch size whose measured peak (``peak(batch)``: a MemoryReport or bytes; OOM = does not fit) stays
+    within ``budget_bytes``: doubling, then line-guesses alternating with bisection (peak grows with the batch)."""
     if not callable(peak):
         raise TypeError(f"peak must be a function batch -> MemoryReport or bytes, not {type(peak).__name__}.")
     for name, value in (("budget_bytes", budget_bytes), ("start", start), ("max_batch", max_batch)):
@@ -324,10 +273,6 @@ def largest_batch_that_fits(peak: Callable[[int], object], budget_bytes: int, *,
         interpolate = not interpolate
     return BatchSearch(batch=good, peak_bytes=tried[good], budget_bytes=budget_bytes, tried=tried)
 
-
-# ---------------------------------------------------------------------------------------------
-# 5. Quick wins: before/after table and plot
-# ---------------------------------------------------------------------------------------------
 
 def quick_wins_frame(wins: dict[str, tuple[object, object]]):
     """``{name: (before, after)}`` (MemoryReports or bytes) -> DataFrame with MiB and the saving."""

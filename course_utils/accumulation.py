@@ -1,12 +1,5 @@
-"""Helpers for notebook 02 (gradient accumulation). The training loops and the BatchNorm -> GroupNorm
-converter are the lesson, so they are written in the notebook; this module measures and compares.
-
-- :func:`flat_grad`, :func:`flat_params`, :func:`rel_diff`   compare two models' gradients or weights
-- :func:`small_cnn`   a tiny conv net (GroupNorm, BatchNorm or no norm) for fast, exact demos
-- :func:`micro_batches`   split a batch into k micro-batches (sizes may differ by one)
-- :func:`sweep_micro_batch_sizes`   peak memory and time per sample for each micro-batch size
-- :func:`plot_tradeoff`   the two panels of that sweep
-"""
+"""Gradient accumulation helpers (notebook 02): compare gradients, a small CNN, micro-batches, the
+micro-batch-size sweep. The loops and the GroupNorm converter are written in the notebook."""
 from __future__ import annotations
 
 from typing import Callable, Sequence
@@ -62,11 +55,7 @@ def rel_diff(a, b) -> float:
 
 
 def small_cnn(norm: str = "group", *, width: int = 16, in_channels: int = 1, n_classes: int = 10) -> nn.Sequential:
-    """conv(stride 2) - norm - ReLU - conv(stride 2) - norm - ReLU - global pool - linear.
-
-    ``norm`` is "group" (GroupNorm, 1 group), "batch" (BatchNorm2d) or "none". Fast enough on a CPU to
-    run every pitfall of gradient accumulation in well under a second.
-    """
+    """conv(stride 2) - norm - ReLU - conv(stride 2) - norm - ReLU - global pool - linear."""
     norms = {"group": lambda c: nn.GroupNorm(1, c), "batch": nn.BatchNorm2d, "none": lambda c: nn.Identity()}
     if norm not in norms:
         raise ValueError(f"norm must be one of {sorted(norms)}, not {norm!r}.")
@@ -111,28 +100,8 @@ def sweep_micro_batch_sizes(
     progress: bool = True,
     min_run_time: float = 0.2,
 ):
-    """Peak memory and time per sample of one accumulated update, for each micro-batch size.
-
-    ``micro_step(x, y, n_total)`` runs forward + backward of one micro-batch (its loss divided so
-    that the k micro-batches add up to the mean over ``n_total`` samples); ``optimizer_step()``
-    steps and zeroes the gradients. Both come from the notebook, so the loop stays visible there.
-
-    For each size m (k = len(images) / m micro-batches):
-
-    - **memory**: with ``whole_cycle=True`` the k micro-batches and the step all run inside
-      :func:`course_utils.memory.measure_memory`. With ``whole_cycle=False`` (cheaper on a CPU,
-      where tensor tracking costs seconds per forward) the first k-1 micro-batches run untracked and
-      only the last one and the step are measured, with the accumulated gradients already in place:
-      every micro-batch does the same work, and the last one holds the most (all gradients exist),
-      so this is the peak of the whole update.
-    - **time**: one untracked micro-batch is timed on its own with :func:`course_utils.timing.time_fn`
-      (median of repeated runs, at least ``min_run_time`` seconds); seconds per sample = its time / m.
-
-    A size that raises an out-of-memory error gets a row with ``fits=False`` and NaN figures.
-
-    Returns a pandas DataFrame: micro_batch, k, fits, peak_bytes, peak_MiB, seconds_per_sample, and the
-    peak by category (params_MiB, grads_MiB, optimizer_MiB, activations_MiB, other_MiB).
-    """
+    """Peak memory and time per sample of one accumulated update, for each micro-batch size (a DataFrame).
+    ``micro_step(x, y, n_total)`` and ``optimizer_step()`` come from the notebook; an OOM gives fits=False."""
     import pandas as pd
 
     _check_module(model)

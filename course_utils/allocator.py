@@ -67,12 +67,7 @@ class OutOfMemory(RuntimeError):
 
 @dataclass
 class CachingAllocator:
-    """Segments (memory from cudaMalloc) cut into blocks, allocated or cached.
-
-    ``capacity``: bytes the allocator may reserve (the card's free memory, or a cap); None = unlimited.
-    ``max_split_size`` (bytes) and ``expandable_segments`` are PYTORCH_CUDA_ALLOC_CONF's max_split_size_mb and
-    expandable_segments (see :func:`options_from_env`).
-    """
+    """Segments (memory from cudaMalloc) cut into blocks, allocated or cached."""
 
     capacity: int | None = None
     max_split_size: int | None = None
@@ -301,12 +296,7 @@ def options_from_env(conf: str | None = None) -> dict:
 
 
 def replay(trace, **options):
-    """Replay ``(action, key, bytes)`` events ('alloc' or 'free', as ``Timeline.trace()`` gives) in a simulated allocator.
-
-    Returns ``(frame, allocator)``; the DataFrame has, after each event, ``requested`` (tensor bytes), ``allocated``
-    and ``reserved`` (as memory_allocated() and memory_reserved() would say) and ``fragmentation`` (the share of
-    reserved bytes not allocated). ``options`` go to :class:`CachingAllocator`; an OOM raises :class:`OutOfMemory`.
-    """
+    """Replay ``(action, key, bytes)`` events ('alloc' or 'free', as ``Timeline.trace()`` gives) in a simulated allocator."""
     import pandas as pd
 
     sim, rows, requested = CachingAllocator(**options), [], 0
@@ -332,9 +322,6 @@ def reserved_over_allocated(trace, **options) -> float:
     return float(sim.peak_reserved / frame["requested"].max())
 
 
-# ------------------------------------------------------------------------------------------------
-# The out-of-memory message
-# ------------------------------------------------------------------------------------------------
 def format_size(nbytes: int) -> str:
     """format_size() of CUDACachingAllocator.cpp: '1024 bytes', '1.00 KiB', '20.00 MiB', '1.50 GiB'."""
     if nbytes <= KIB:

@@ -39,11 +39,7 @@ def missing_packages(import_names) -> list[str]:
 
 
 def ensure_packages(import_names) -> list[str]:
-    """Install (on Colab) the course packages that are missing; return what was installed.
-
-    Off Colab nothing is installed behind the learner's back: a missing package raises an
-    ImportError that says which command installs the course (``make lab``).
-    """
+    """Install (on Colab) the course packages that are missing; return what was installed."""
     missing = missing_packages(import_names)
     if not missing:
         return []

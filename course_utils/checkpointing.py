@@ -1,23 +1,8 @@
-"""Gradient checkpointing on an abstract chain: bookkeeping, drawings and the slider of notebook 03.
+"""Gradient checkpointing on an abstract chain (notebook 03): run the notebook's keep/recompute rule, count, draw.
 
-An n-layer chain has forward nodes ``f1..fn`` (the activations) and backward nodes ``b1..bn`` (the
-gradients with respect to them): ``f_i`` needs ``f_{i-1}`` (``f0`` is the input, held by the data loader
-and not counted), ``b_n`` needs ``f_n`` and ``b_i`` needs ``f_i`` and ``b_{i+1}``.
-
-*What* a checkpointing strategy keeps and recomputes is the lesson, so that rule is written in the
-notebook: a function ``rule(n, kept, keep_recomputed)`` that yields the operations of one training step,
-``("compute", node, recomputed)`` and ``("free", node)``, with nodes ``("f", i)`` / ``("b", i)``.
-:func:`simulate` runs a rule for a strategy, checks that every computation finds its inputs in memory,
-and counts: the memory while each step runs (its inputs and its output are live), the peak, the forward
-computations. The strategies choose the kept ``f`` nodes:
-
-``store_all``      every ``f`` node.
-``recompute_all``  none; a recomputation keeps only the newest node.
-``every_k``        every k-th node (k defaults to round(sqrt(n))).
-``checkpoints``    any set of positions.
-
-Memory is counted in nodes, or in size units when the nodes have ``sizes`` (``sizes[i-1]`` is the size
-of ``f_i``; ``b_i`` has ``f_i``'s size, as a gradient has its activation's shape).
+Nodes are ("f", i) (activations) and ("b", i) (gradients); f_i needs f_(i-1), b_i needs f_i and b_(i+1).
+``rule(n, kept, keep_recomputed)`` yields ("compute", node, recomputed) and ("free", node). Memory is in nodes,
+or in size units with ``sizes`` (b_i has f_i's size).
 """
 from __future__ import annotations
 
@@ -40,9 +25,6 @@ MAX_LIVE_RECORD = 200  # record the live set of every step only for chains up to
 MAX_BRUTE_FORCE_N = 16
 
 
-# --------------------------------------------------------------------------------------------
-# argument checks
-# --------------------------------------------------------------------------------------------
 def _check_n(n) -> int:
     return positive_int(n, "n (the number of layers)", "e.g. 9")
 
@@ -90,9 +72,6 @@ def default_k(n: int) -> int:
     return max(1, round(math.sqrt(n)))
 
 
-# --------------------------------------------------------------------------------------------
-# the simulator
-# --------------------------------------------------------------------------------------------
 @dataclass
 class ChainSchedule:
     """The result of :func:`simulate`: one entry per step (node computation)."""
@@ -167,20 +146,7 @@ def simulate(
     sizes: Sequence[float] | None = None,
     record_live: bool | None = None,
 ) -> ChainSchedule:
-    """Run ``rule`` (the notebook's keep/recompute rule) for a strategy on an n-layer chain.
-
-    Args:
-        n: number of layers (forward nodes f1..fn, backward nodes b1..bn).
-        strategy: one of ``STRATEGIES`` (see the module docstring).
-        rule: ``rule(n, kept, keep_recomputed)`` yielding the step's operations (module docstring).
-        k: checkpoint spacing for ``every_k`` (default ``round(sqrt(n))``).
-        checkpoints: positions (1..n) of the kept f nodes for ``checkpoints``.
-        sizes: size of each f node (b_i has f_i's size); memory is then in these units.
-        record_live: keep the live set of every step (default: when n <= 200).
-
-    Raises ValueError when the rule computes a node whose inputs are not in memory, frees a node that
-    is not there, or does not compute every b node once.
-    """
+    """Run ``rule`` (the notebook's keep/recompute rule) for a strategy on an n-layer chain."""
     _check_n(n)
     if strategy not in STRATEGIES:
         raise ValueError(f"Unknown strategy {strategy!r}; choose one of {STRATEGIES}.")
@@ -265,9 +231,6 @@ def _run(n, strategy, stored, keep_recomputed, sizes, record_live, rule) -> Chai
                          peak_memory=peak_mem, peak_nodes=peak_nodes, forward_count=forward)
 
 
-# --------------------------------------------------------------------------------------------
-# sweeps and searches
-# --------------------------------------------------------------------------------------------
 def sweep(ns: Iterable[int], *, rule, strategies: Sequence[str] = ("store_all", "recompute_all", "every_k")):
     """Simulate each strategy for each n with ``rule``; a DataFrame with n, strategy, peak_nodes, forward_computations."""
     import pandas as pd
@@ -299,11 +262,7 @@ def segment_checkpoints(n: int, segments: int) -> tuple:
 
 
 def best_segment_count(n: int, *, rule, max_segments: int | None = None):
-    """Try every segment count s (1..max_segments) with evenly spaced checkpoints.
-
-    Returns ``(best_s, table)``: the s with the smallest peak (ties: fewer forward computations,
-    then fewer segments) and a DataFrame with segments, peak_nodes, forward_computations.
-    """
+    """Try every segment count s (1..max_segments) with evenly spaced checkpoints."""
     import pandas as pd
 
     _check_n(n)
@@ -321,12 +280,7 @@ def best_segment_count(n: int, *, rule, max_segments: int | None = None):
 
 
 def optimal_checkpoints(sizes: Sequence[float], budget: float, *, rule) -> ChainSchedule:
-    """The checkpoint set that keeps the peak within ``budget`` with the fewest recomputations.
-
-    Brute force over every subset of positions 1..n-1 (f_n is live when the backward pass starts
-    anyway), so n is limited to 16. Ties: lower peak, then fewer checkpoints, then the
-    lexicographically smallest set. Raises ValueError when no checkpoint set fits.
-    """
+    """The checkpoint set that keeps the peak within ``budget`` with the fewest recomputations."""
     n, sizes, budget = _check_sizes_budget(sizes, budget)
     if n > MAX_BRUTE_FORCE_N:
         raise ValueError(f"optimal_checkpoints tries every subset; keep n <= {MAX_BRUTE_FORCE_N} (got n={n}).")
@@ -364,19 +318,13 @@ def evaluate_checkpoints(sizes: Sequence[float], budget: float, checkpoints: Seq
     }
 
 
-# --------------------------------------------------------------------------------------------
-# drawing
-# --------------------------------------------------------------------------------------------
 LIVE_COLOR = "#8e44ad"  # the article's purple
 RECOMPUTE_COLOR = "#e67e22"
 CURRENT_EDGE = "#c0392b"
 
 
 def draw_step(schedule: ChainSchedule, t: int, ax=None, *, title: bool = True):
-    """Draw the f/b graph with the nodes live at step ``t`` shaded; the node computed is outlined red.
-
-    Kept (checkpoint) f nodes are drawn as squares; a recomputed node is shaded orange.
-    """
+    """Draw the f/b graph with the nodes live at step ``t`` shaded; the node computed is outlined red."""
     import matplotlib.pyplot as plt
 
     if not isinstance(schedule, ChainSchedule):
@@ -540,14 +488,8 @@ def plot_scaling(table, axes=None):
     return axes
 
 
-# --------------------------------------------------------------------------------------------
-# the slider
-# --------------------------------------------------------------------------------------------
 def chain_explorer(n: int = 9, strategies: Sequence[str] = ("store_all", "recompute_all", "every_k"), *, rule):
-    """An ipywidgets explorer: pick a strategy, drag the time step, see which nodes are live.
-
-    Uses only ToggleButtons, IntSlider, Output and VBox (ipywidgets 7.7 and 8).
-    """
+    """An ipywidgets explorer: pick a strategy, drag the time step, see which nodes are live."""
     import ipywidgets as widgets
     import matplotlib.pyplot as plt
 

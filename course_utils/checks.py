@@ -24,10 +24,7 @@ class ClaimError(AssertionError):
 
 
 def claim(claim_text: str, measured, op: str, expected, *, unit: str = "") -> None:
-    """Assert ``measured <op> expected``; on failure say what the lesson claims and what was measured.
-
-    >>> claim("Adam keeps two fp32 states per parameter", 8, "==", 8, unit="bytes/param")
-    """
+    """Assert ``measured <op> expected``; on failure say what the lesson claims and what was measured."""
     if op not in _OPS:
         raise ValueError(f"op must be one of {sorted(_OPS)}, not {op!r}.")
     if not isinstance(claim_text, str) or not claim_text:
@@ -60,12 +57,7 @@ def claim_close(claim_text: str, measured: float, expected: float, *, rel_tol: f
 
 
 def check_exercise(name: str, learner_value, reference_value, *, rel_tol: float = 0.0, hint: str = "") -> bool:
-    """Compare a learner's answer with the reference; print a friendly verdict and return True/False.
-
-    Unlike :func:`claim` this never raises on a wrong answer (a learner should be allowed to try
-    again); it raises ``ValueError`` only when the answer is missing (``None`` or ``...``), which
-    tells the learner to fill it in.
-    """
+    """Compare a learner's answer with the reference; print a friendly verdict and return True/False."""
     if learner_value is None or learner_value is Ellipsis:
         raise ValueError(f"Exercise '{name}': replace the `...` / None with your answer, then run the cell again.")
     try:
@@ -110,21 +102,13 @@ def _fmt(value) -> str:
     return repr(value) if isinstance(value, str) else str(value)
 
 
-# ----------------------------------------------------------------------------------------------
-# predict, then measure
-# ----------------------------------------------------------------------------------------------
 _predictions: list[str] = []
 
 
 def compare_prediction(name: str, predicted, measured, *, unit: str = "", why_off: str = "",
                        close_enough: float = 0.25) -> float:
-    """Print the learner's prediction beside the measurement and how far off it was.
-
-    ``predicted`` comes from a cell tagged ``predict`` (a variable with a default the learner
-    overwrites); ``why_off`` is the usual reason for a miss, printed when the prediction is off by
-    more than ``close_enough`` (relative). Returns the relative error. Each call counts towards
-    :func:`prediction_count`, which a notebook records as ``prediction_cells``.
-    """
+    """Print the learner's prediction beside the measurement and how far off it was (``why_off`` when off by more
+    than ``close_enough``); returns the relative error and counts towards :func:`prediction_count`."""
     if not isinstance(name, str) or not name:
         raise ValueError("name must say what was predicted, e.g. 'peak memory of one step'.")
     if predicted is None or predicted is Ellipsis:
@@ -151,11 +135,7 @@ def prediction_count() -> int:
 
 
 def checker_rejects(checker: Callable[..., bool], *wrong_answers) -> bool:
-    """True when ``checker`` returns False for every one of ``wrong_answers`` (plausible mistakes).
-
-    An exercise checker that accepts a wrong answer teaches nothing; each notebook proves its
-    checkers reject its known mistakes and records ``exercise_checks_reject_wrong``.
-    """
+    """True when ``checker`` returns False for every one of ``wrong_answers`` (plausible mistakes)."""
     if not callable(checker):
         raise TypeError(f"checker must be the exercise's check function, not {type(checker).__name__}.")
     if not wrong_answers:

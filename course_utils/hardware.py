@@ -32,11 +32,8 @@ PCIE_EFFICIENCY = 0.8
 
 def gpu_bytes_needed(tensor_peak_bytes: int, *, context_bytes: int = CUDA_CONTEXT_BYTES,
                      reserve_fraction: float = ALLOCATOR_RESERVE_FRACTION) -> int:
-    """Bytes a card must have for a step whose tensors peak at ``tensor_peak_bytes``.
-
-    tensors + the caching allocator's reserve (``reserve_fraction`` of the tensors) + the CUDA
-    context. Every "fits in N GiB" in the course compares this, not the tensors alone, with the card.
-    """
+    """Bytes a card must have for a step whose tensors peak at ``tensor_peak_bytes``: tensors + the allocator's
+    reserve + the CUDA context. Every "fits in N GiB" compares this with the card."""
     for name, value in (("tensor_peak_bytes", tensor_peak_bytes), ("context_bytes", context_bytes)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"{name} must be a whole number of bytes >= 0, not {value!r}.")
@@ -87,11 +84,7 @@ def compute_capability() -> tuple[int, int] | None:
 
 def supports_bf16() -> bool:
     """True only where bf16 runs natively: CUDA compute capability >= 8.0 (Ampere and newer).
-
-    `torch.cuda.is_bf16_supported()` answers True on a T4 (7.5) because it emulates bf16,
-    slowly; the course does not teach bf16 there. On CPU, autocast uses bf16 anyway (see
-    notebook 04), but this function is about the GPU.
-    """
+    (``torch.cuda.is_bf16_supported()`` says True on a T4, which emulates bf16 slowly.)"""
     cc = compute_capability()
     return cc is not None and cc >= (8, 0)
 
@@ -101,10 +94,7 @@ def in_colab() -> bool:
 
 
 def course_profile() -> str:
-    """'smoke' (small sizes, minutes on a CPU) or 'full' (the articles' sizes, on a GPU).
-
-    ``COURSE_PROFILE=smoke|full`` overrides; otherwise full when CUDA is present.
-    """
+    """'smoke' (small sizes, minutes on a CPU) or 'full' (the articles' sizes, on a GPU)."""
     value = os.environ.get("COURSE_PROFILE", "").strip().lower()
     if value:
         if value not in PROFILES:
@@ -117,14 +107,8 @@ def course_profile() -> str:
 
 
 def cuda_context_from_counters(device_free: int, device_total: int, reserved: int) -> int:
-    """The card's memory in use outside PyTorch's caching allocator, from three counters.
-
-    ``device_total - device_free`` (from ``torch.cuda.mem_get_info()``, what nvidia-smi calls used)
-    minus ``reserved`` (``torch.cuda.memory_reserved()``): the CUDA context of this process (kernels,
-    cuBLAS/cuDNN workspaces, driver state). ``mem_get_info`` is the whole card's, so other processes
-    on the same GPU (another notebook, a display) count here too: on a shared card this reads high.
-    Never below 0.
-    """
+    """The card's memory in use outside PyTorch's caching allocator: total - free - reserved, never below 0.
+    ``mem_get_info`` is the whole card's, so other processes on a shared card count here too."""
     for name, value in (("device_free", device_free), ("device_total", device_total), ("reserved", reserved)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"{name} must be a whole number of bytes >= 0, not {value!r}.")
@@ -134,11 +118,7 @@ def cuda_context_from_counters(device_free: int, device_total: int, reserved: in
 
 
 def cuda_context_bytes(counters=None) -> int | None:
-    """The CUDA context measured on this card (see :func:`cuda_context_from_counters`); None without CUDA.
-
-    ``counters`` is a counter source such as ``memory.CudaCounters()`` (default on a CUDA GPU); a
-    test passes a fake one. :data:`CUDA_CONTEXT_BYTES` is the stated default where nothing is measured.
-    """
+    """The CUDA context measured on this card (see :func:`cuda_context_from_counters`); None without CUDA."""
     if counters is None:
         if not torch.cuda.is_available():
             return None
@@ -150,11 +130,7 @@ def cuda_context_bytes(counters=None) -> int | None:
 
 
 def allocator_fraction(total_bytes: int, budget_bytes: int, context_bytes: int) -> float:
-    """The fraction of a card to give PyTorch's allocator so that allocator + context fit ``budget_bytes``.
-
-    ``(budget - context) / total``, capped at 1 (a card no larger than the budget needs no cap).
-    Raises ``ValueError`` when the budget does not even hold the context.
-    """
+    """The fraction of a card to give PyTorch's allocator so that allocator + context fit ``budget_bytes``."""
     for name, value in (("total_bytes", total_bytes), ("budget_bytes", budget_bytes), ("context_bytes", context_bytes)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"{name} must be a whole number of bytes >= 0, not {value!r}.")
@@ -169,15 +145,8 @@ def allocator_fraction(total_bytes: int, budget_bytes: int, context_bytes: int) 
 
 
 def cap_gpu_memory(budget_gib: float) -> str:
-    """Make a larger GPU behave like one with ``budget_gib`` GiB, so "fits in 12 GB" is proven.
-
-    A real card of that size also holds the CUDA context, outside PyTorch's allocator; so the
-    allocator gets the budget less the context (measured with :func:`cuda_context_bytes`, or
-    :data:`CUDA_CONTEXT_BYTES` where nothing is measured), through
-    ``torch.cuda.set_per_process_memory_fraction``: the allocator's reservations beyond the cap raise
-    ``torch.OutOfMemoryError`` exactly as on the small card. Returns a sentence saying what
-    happened and how much was left for the context; on CPU/MPS it does nothing and says so.
-    """
+    """Make a larger GPU behave like one with ``budget_gib`` GiB, so "fits in 12 GB" is proven: the allocator gets
+    the budget less the CUDA context. Returns a sentence saying what happened (nothing on CPU/MPS)."""
     if isinstance(budget_gib, bool) or not isinstance(budget_gib, (int, float)):
         raise TypeError(f"budget_gib must be a number of GiB such as 12, not {type(budget_gib).__name__}.")
     if not budget_gib > 0:

@@ -1,35 +1,10 @@
-"""Measure the peak memory of training code, by category, with or without a GPU.
+"""Measure the peak memory of training code, by category (params, grads, optimizer, activations, other).
 
-``measure_memory(fn, model=model, optimizer=opt)`` runs ``fn()`` (one or more training steps)
-and reports the peak of ``fn`` itself and what filled it::
-
-    params, grads, optimizer, activations, other
-
-What "peak" means, on every device
-----------------------------------
-The peak is the model's and the optimizer's state (parameters, buffers, gradients already present,
-optimizer state: counted from the start even though they were made before ``fn``) plus what ``fn``
-allocated on top of the memory that was live when it started. Tensors left alive by earlier code (a
-model from a previous notebook cell, a batch built outside ``fn``) never count.
-
-How it measures
----------------
-Tensors are tracked as they are created and freed, with PyTorch's own ``MemTracker``
-(``torch.distributed._tools.mem_tracker``): it tags each tensor as a parameter, gradient,
-optimizer state, activation (made in forward) or temporary (made in backward). That works
-on the CPU, on CUDA, and under ``FakeTensorMode``, where a model too big for the machine
-(GPT-2-XL) is "run" without allocating its memory. On CUDA the peak comes from the caching
-allocator's own counters, read at the start and at the end of ``fn`` and combined by
-:func:`combine_allocator_counters` (the tracked state + what ``fn`` added above the start); the
-report also gives the allocator's reserved peak and the CUDA context (from
-``torch.cuda.mem_get_info``), the two things ``nvidia-smi`` sees on top of the tensors.
-
-An out-of-memory error comes when reserved memory plus a new request exceeds what the card has
-free (less the CUDA context and other processes), so the allocated peak is a lower bound of what a
-step needs (notebook 01b).
-
-``MemTracker`` is a private API; this file and ``course_utils.timeline`` use it, and
-``tests/test_memory.py`` / ``tests/test_timeline.py`` pin its behaviour.
+The peak is the model's and optimizer's state plus what ``fn`` allocated above the memory live when it started.
+Tensors are tracked with PyTorch's private ``MemTracker`` (CPU, CUDA, fake tensors; tests pin its behaviour);
+on CUDA the peak comes from the caching allocator's counters, plus the reserved peak and the CUDA context.
+An out-of-memory error comes when reserved memory plus a new request exceeds what the card has free, so the
+allocated peak is a lower bound of what a step needs.
 """
 from __future__ import annotations
 
@@ -75,10 +50,6 @@ def format_bytes(n: float) -> str:
     return f"{n:.2f} TiB"  # pragma: no cover
 
 
-# ---------------------------------------------------------------------------------------------
-# Bytes of tensors: the one copy every module uses
-# ---------------------------------------------------------------------------------------------
-
 def storage_key(t: torch.Tensor) -> int:
     """Identifies a tensor's storage: shared by views, distinct for fake tensors (whose data_ptr() is 0)."""
     return t.untyped_storage()._cdata
@@ -123,21 +94,12 @@ def _state_tensors(optimizer) -> list[torch.Tensor]:
 
 
 def optimizer_state_bytes(optimizer) -> int:
-    """Bytes held by an optimizer's state tensors now, each storage counted once.
-
-    Zero before the first ``optimizer.step()`` (state is created lazily). bitsandbytes shares its
-    quantization maps between parameters; they count once. For the arithmetic (bytes for N
-    parameters of a named optimizer, without building one) see ``estimate.optimizer_state_bytes``.
-    """
+    """Bytes held by an optimizer's state tensors now, each storage counted once."""
     return tensor_bytes(*_state_tensors(optimizer))
 
 
 def _training_state_bytes(model, optimizer, device: torch.device) -> int:
-    """Parameters, buffers, gradients present and optimizer state on ``device``'s type, each storage once.
-
-    Tensors elsewhere (Adam's step counters or an offloaded optimizer's state on the CPU while the
-    model is on the GPU) are not in that device's allocator, so they do not count there.
-    """
+    """Parameters, buffers, gradients present and optimizer state on ``device``'s type, each storage once."""
     tensors = []
     if model is not None:
         params = list(model.parameters())
@@ -148,17 +110,8 @@ def _training_state_bytes(model, optimizer, device: torch.device) -> int:
     return tensor_bytes(*(t for t in tensors if t.device.type == device.type))
 
 
-# ---------------------------------------------------------------------------------------------
-# The CUDA caching allocator's counters, and how they combine into one step's figures
-# ---------------------------------------------------------------------------------------------
-
 class CudaCounters:
-    """The CUDA caching allocator's counters for one device, behind one small object.
-
-    :func:`measure_memory` and :func:`live_bytes_over_steps` read the allocator only through an
-    object with these methods, so a test can pass a fake one with the same methods and run the
-    CUDA branch on a CPU.
-    """
+    """The CUDA caching allocator's counters for one device, behind one small object."""
 
     def __init__(self, device=None):
         self.device = torch.device(device if device is not None else "cuda")
@@ -197,26 +150,7 @@ def combine_allocator_counters(*, state_bytes: int, allocated_at_start: int, max
                                reserved_at_start: int | None = None, max_reserved: int | None = None,
                                device_free: int | None = None, device_total: int | None = None,
                                reserved_now: int | None = None) -> dict[str, int | None]:
-    """One step's figures from the allocator's counters (pure arithmetic, tested with numbers).
-
-    Args:
-        state_bytes: the model's and optimizer's tensors when ``fn`` started (they count in full).
-        allocated_at_start: ``memory_allocated()`` when ``fn`` started: the state plus anything
-            else alive (stale tensors from earlier cells), which is why it is subtracted.
-        max_allocated: ``max_memory_allocated()`` after ``fn``, the peak statistics having been
-            reset at the start (so it is >= ``allocated_at_start``).
-        reserved_at_start, max_reserved: the same two readings of reserved memory (optional),
-            taken after ``empty_cache()`` so that no cached free block from earlier code serves ``fn``.
-        device_free, device_total, reserved_now: ``mem_get_info()`` and ``memory_reserved()``
-            after ``fn`` (optional), for the CUDA context.
-
-    Returns ``peak_bytes`` = state + (max_allocated - allocated_at_start); ``fn_bytes`` (what ``fn``
-    added above the start); ``reserved_peak_bytes`` = state + the reserved growth, never below
-    ``peak_bytes`` (free room inside a segment that also holds older tensors can serve ``fn``
-    without new reservations, so the growth alone may read low); ``cuda_context_bytes`` (see
-    :func:`course_utils.hardware.cuda_context_from_counters`). The optional figures are None
-    when their readings are missing.
-    """
+    """One step's figures from the allocator's counters (pure arithmetic, tested with numbers)."""
     state_bytes = _byte_count(state_bytes, "state_bytes")
     start = _byte_count(allocated_at_start, "allocated_at_start")
     top = _byte_count(max_allocated, "max_allocated")
@@ -244,10 +178,6 @@ def combine_allocator_counters(*, state_bytes: int, allocated_at_start: int, max
     return {"peak_bytes": peak, "fn_bytes": fn_bytes, "reserved_peak_bytes": reserved_peak,
             "cuda_context_bytes": context}
 
-
-# ---------------------------------------------------------------------------------------------
-# The report
-# ---------------------------------------------------------------------------------------------
 
 @dataclass
 class MemoryReport:
@@ -325,17 +255,9 @@ class MemoryReport:
         )
 
 
-# ---------------------------------------------------------------------------------------------
-# Tensor tracking
-# ---------------------------------------------------------------------------------------------
-
 class _MultiStepMemTracker(MemTracker if MemTracker is not None else object):
-    """MemTracker that accepts several training steps in one context.
-
-    Stock MemTracker raises NotImplementedError when the root module runs forward a second
-    time ("multiple iterative calls"); its per-module statistics are all it would lose, and
-    the course only reads the global peak, so we clear them at each new root forward.
-    """
+    """MemTracker that accepts several training steps in one context (stock MemTracker raises at a second root
+    forward; the per-module statistics it would keep are cleared instead: the course reads only the global peak)."""
 
     def _pre_fw_hook(self, module, inputs):  # noqa: D401 - overrides a private hook
         if module in self.memory_tracking and not self._mod_tracker.is_bw:
@@ -418,22 +340,7 @@ def _model_device(model, optimizer) -> torch.device:
 
 
 def measure_memory(fn, *, model: nn.Module | None = None, optimizer=None, counters=None) -> MemoryReport:
-    """Run ``fn()`` and report its peak memory and what filled it.
-
-    Args:
-        fn: a zero-argument callable: one or more training steps.
-        model: the model ``fn`` trains; its parameters (and gradients already present) count
-            from the start, even though they were created before ``fn``.
-        optimizer: its state counts from the start too (after a first step it already exists).
-        counters: where the allocator's counters come from. Default: :class:`CudaCounters` when
-            the model is on a CUDA GPU (real tensors), otherwise none (tensor tracking only).
-            A test passes a fake source with the same methods to run the CUDA branch on a CPU.
-
-    The peak is the model's and optimizer's state plus what ``fn`` allocated above the memory
-    live when it started, on every device: tensors alive from earlier code, and not reachable from
-    ``model``/``optimizer``, never count (a batch built outside ``fn`` neither: build inputs
-    inside ``fn`` to count them). On CUDA the report adds the reserved peak and the CUDA context.
-    """
+    """Run ``fn()`` and report its peak memory and what filled it."""
     _check_args(fn, model, optimizer, counters)
     device = _model_device(model, optimizer)
     tracker = _new_tracker()
@@ -513,15 +420,8 @@ def _pick_device_snapshot(snapshots: dict, device: torch.device) -> dict:
 
 
 def live_bytes_over_steps(step: Callable[[int], object], n_steps: int, *, device=None, counters=None) -> list[int]:
-    """Run ``step(i)`` for i in range(n_steps); return the bytes still alive after each step.
-
-    Counts what the steps created and still hold, not what was alive before (the model's
-    parameters), so a flat line means "no leak" and a rising line is memory held across steps.
-    On CUDA (or with ``counters``) it is the allocator's ``memory_allocated()`` minus its value
-    before the first step; elsewhere each storage the steps create is tracked until it is freed.
-    Whatever ``step``
-    returns is dropped at once.
-    """
+    """Run ``step(i)`` for i in range(n_steps); return the bytes the steps created and still hold after each step
+    (flat: no leak). Allocator counters on CUDA, else storages tracked until freed."""
     if not callable(step):
         raise TypeError(f"step must be a function of the step index, e.g. `def step(i): ...`, not {type(step).__name__}.")
     if isinstance(n_steps, bool) or not isinstance(n_steps, int) or n_steps <= 0:
@@ -547,12 +447,8 @@ def live_bytes_over_steps(step: Callable[[int], object], n_steps: int, *, device
 
 
 class _LiveBytes:
-    """Counts the bytes of storages created while active and still alive (CPU or fake tensors).
-
-    Storages that existed before (weights seen through a view such as ``weight.t()``) are left out.
-    ``MemTracker`` is not used here: its module hooks keep the last forward's graph alive when no
-    backward runs, which would fake a leak in an evaluation loop.
-    """
+    """Counts the bytes of storages created while active and still alive (CPU or fake tensors). Not MemTracker:
+    its module hooks keep the last forward's graph alive when no backward runs, which would fake a leak."""
 
     def __init__(self):
         from torch.utils._python_dispatch import TorchDispatchMode

@@ -1,23 +1,6 @@
-"""Model builders the notebooks share: GPT-2 from its real configs (random weights, the exact
-shapes and so the exact memory of the pretrained models), and fake-tensor builds of models too
-big for the machine.
-
-Attention, as each device runs it (``build_gpt2(attention=...)``):
-
-- ``'math'`` (transformers' ``attn_implementation='eager'``): matmul, softmax, dropout, matmul,
-  written out. Backward needs the T x T softmax output, the dropout mask and the dropped
-  probabilities: memory grows with the sequence length squared.
-- ``'fused'`` (``'sdpa'``, PyTorch's ``scaled_dot_product_attention``): on CUDA one fused kernel,
-  flash attention for fp16/bf16 on compute capability >= 8.0, otherwise (fp32, or a T4) the
-  memory-efficient kernel. It keeps its output, the log-sum-exp of each row (fp32, B x H x T) and
-  the dropout RNG's seed and offset: nothing T x T. A CPU training with dropout falls back to the
-  math kernel.
-
-Fake tensors on a machine without a GPU cannot show this by themselves: PyTorch's kernel choice
-asks the GPU and finds none, and backward on fake CUDA tensors asks for a CUDA context.
-:func:`as_on_cuda` closes the gap (see its docstring); ``tests/test_models.py`` checks that
-fake CPU tensors under it save what fake CUDA tensors save in a forward pass.
-"""
+"""Models the notebooks share: GPT-2 from its real configs (random weights, exact shapes), fake-tensor builds of
+models too big for the machine, and the course MLP. ``attention='math'`` keeps the T x T softmax for backward;
+``'fused'`` (sdpa) keeps nothing T x T. :func:`as_on_cuda` lets fake CPU tensors choose kernels as CUDA would."""
 from __future__ import annotations
 
 import contextlib
@@ -69,12 +52,8 @@ def default_dtype(dtype: torch.dtype):
 
 def build_gpt2(config_or_name="gpt2-xl", *, dtype: torch.dtype = torch.float32, attention: str | None = None,
                **overrides) -> nn.Module:
-    """A GPT2LMHeadModel with random weights from a config or a size name.
-
-    ``attention``: 'math' or 'fused' (see the module docstring); None keeps transformers' default.
-    Call it inside ``torch._subclasses.fake_tensor.FakeTensorMode()`` to get a model whose
-    tensors have shapes and dtypes but no memory (see :func:`fake_mode`).
-    """
+    """A GPT2LMHeadModel with random weights from a config or a size name; ``attention`` 'math' or 'fused'.
+    Built inside ``fake_mode()``, its tensors have shapes and dtypes but no memory."""
     from transformers import GPT2LMHeadModel
 
     if attention is not None and attention not in ATTENTION:
@@ -91,10 +70,7 @@ def build_gpt2(config_or_name="gpt2-xl", *, dtype: torch.dtype = torch.float32, 
 
 
 def fake_mode():
-    """A FakeTensorMode: tensors made inside it have shapes, dtypes and devices but no storage.
-
-    ``allow_non_fake_inputs`` lets real scalars (a learning rate tensor, say) mix in.
-    """
+    """A FakeTensorMode: tensors made inside it have shapes, dtypes and devices but no storage."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     return FakeTensorMode(allow_non_fake_inputs=True)
@@ -104,23 +80,10 @@ def fake_mode():
 def as_on_cuda():
     """Inside ``with as_on_cuda():``, fake tensors save for backward what CUDA's kernels save.
 
-    Two functions differ between a CPU and CUDA, and this context routes them as CUDA does:
-
-    - ``F.dropout`` in training: CUDA runs ``torch.native_dropout``, which keeps a bool mask
-      (1 byte per element); the CPU's dropout keeps a mask in the input's dtype (4 bytes in fp32).
-    - ``F.scaled_dot_product_attention`` on fake tensors: calls the kernel a GPU picks, directly
-      (flash attention for fp16/bf16 without a mask, else the memory-efficient kernel), because
-      PyTorch's kernel choice cannot run without a GPU. Their saved tensors are those of the kernels'
-      autograd formulas: the output, the log-sum-exp and the RNG state. Batches are priced without
-      padding: the boolean mask transformers builds for fake tensors (it cannot read their values to
-      see there is no padding) is dropped, as a real run passes none.
-
-    One difference remains, too small to matter: for fp16 inputs CUDA's layer norm keeps its mean and
-    1/std in fp32, a CPU in fp16 (2 bytes more per token per norm on CUDA).
-
-    The two are swapped in ``torch.nn.functional`` for the duration (backward included, where
-    checkpointing recomputes forward), then restored. Real tensors keep their device's attention (a
-    CPU has no fused kernel for training with dropout).
+    ``F.dropout`` runs ``torch.native_dropout`` (a bool mask, as on CUDA; the CPU keeps one in the input's dtype), and
+    ``F.scaled_dot_product_attention`` on fake tensors calls the kernel a GPU picks (flash for fp16/bf16 without a
+    mask, else memory-efficient), since PyTorch's kernel choice needs a GPU; the padding mask transformers builds
+    for fake tensors is dropped. Both are restored on exit; real tensors keep their device's attention.
     """
     functional = nn.functional
     dropout, sdpa = functional.dropout, functional.scaled_dot_product_attention

@@ -1,18 +1,5 @@
-"""Where the course reads and writes, wherever it is installed.
-
-A learner may run the repository (``make lab``), or only the installed package and one notebook
-(Colab). Nothing is ever written inside the package, and nothing is read from outside it except
-what the learner points at. Everything written goes under :func:`course_home`:
-
-* ``$COURSE_HOME`` when set;
-* otherwise ``<repository>/`` when the package runs from a checkout (``results/`` and
-  ``checkpoints/`` there are git-ignored);
-* otherwise ``~/when-the-model-does-not-fit``.
-
-Checkpoints are the exception on Colab: when Google Drive is mounted (and ``COURSE_HOME`` is not
-set) they go to Drive, so a disconnect loses nothing; :func:`colab_drive_hint` says how to mount it.
-What a notebook reads ships inside the package (:func:`data_file`).
-"""
+"""Where the course writes: ``$COURSE_HOME``, else the repository checkout, else ~/when-the-model-does-not-fit;
+never inside the package. On Colab with Drive mounted, checkpoints go to Drive."""
 from __future__ import annotations
 
 import os
@@ -72,11 +59,7 @@ def _checkpoints_on_drive() -> bool:
 
 
 def checkpoints_dir(subfolder: str | None = None) -> Path:
-    """Where checkpoints go (created if missing), optionally a ``subfolder`` such as ``"06_capstone"``.
-
-    ``<Google Drive>/when-the-model-does-not-fit/checkpoints`` when Drive is mounted on Colab and
-    ``COURSE_HOME`` is not set (a disconnect then loses nothing), else ``<course home>/checkpoints``.
-    """
+    """Where checkpoints go (created if missing), optionally a ``subfolder`` such as ``"06_capstone"``."""
     if subfolder is not None and (not isinstance(subfolder, str) or not _SUBFOLDER_RE.match(subfolder)):
         raise ValueError(
             f"subfolder {subfolder!r} must be one folder name of letters, digits, '_', '-' or '.', "

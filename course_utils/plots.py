@@ -37,11 +37,7 @@ def ledger_frame(items: Mapping[str, object]):
 
 def plot_ledger(items: Mapping[str, object], *, budget_bytes: int | None = None, budget_label: str = "budget",
                 unit: str = "GiB", ax=None, title: str | None = None):
-    """Stacked horizontal bars, one per scenario, by category; a dashed line at the budget.
-
-    The budget is named in the legend (not written on the axes, where it collided with the title), and
-    the legend sits to the right of the bars so it never covers them.
-    """
+    """Stacked horizontal bars, one per scenario, by category; a dashed line at the budget."""
     import matplotlib.pyplot as plt
 
     if unit not in ("GiB", "MiB"):
@@ -71,11 +67,8 @@ def plot_ledger(items: Mapping[str, object], *, budget_bytes: int | None = None,
 
 
 def show_figure(fig, *, dpi: int = 100) -> None:
-    """Display ``fig`` as a PNG and close it: what a widget's output area shows on every front end.
-
-    ``display(fig)`` depends on the kernel's matplotlib backend: with a non-inline backend (``MPLBACKEND=Agg``,
-    common on servers and in CI) it shows only ``<Figure size ...>`` text. A PNG shows everywhere.
-    """
+    """Display ``fig`` as a PNG and close it: what a widget's output area shows on every front end (with a
+    non-inline backend such as Agg, ``display(fig)`` shows only text)."""
     import io
 
     import matplotlib.pyplot as plt

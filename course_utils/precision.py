@@ -1,14 +1,5 @@
-"""Mixed precision, measured (notebook 04).
-
-- :func:`format_table` / :func:`plot_ranges`: fp32, tf32, fp16, bf16 from ``torch.finfo``
-- :func:`underflow_fraction` / :func:`overflow_fraction`: what a cast to fp16/bf16 destroys
-- :func:`autocast_op_table`: which ops autocast runs in low precision on this device
-- :class:`ScaleLog`: a GradScaler's scale per step, and which steps it skipped
-- :func:`recommend_precision`, :func:`decision_table`: which recipe for which GPU
-- :func:`check_amp_loop`: the exercise checker (runs the learner's AMP loop against a reference)
-
-The training loops themselves stay in the notebook.
-"""
+"""Mixed precision, measured (notebook 04): number formats, underflow/overflow, autocast's op table, GradScaler
+logs, the recipe per GPU, the AMP-step exercise checker. The training loops stay in the notebook."""
 from __future__ import annotations
 
 import functools
@@ -69,10 +60,7 @@ def format_table(formats=FORMATS):
 
 
 def plot_ranges(formats=FORMATS, *, ax=None, mark: dict | None = None):
-    """Horizontal bars of each format's range on a log10 axis: subnormals light, normals dark.
-
-    ``mark`` draws vertical lines, e.g. ``{"typical small gradient": 1e-8}``.
-    """
+    """Horizontal bars of each format's range on a log10 axis: subnormals light, normals dark."""
     import matplotlib.pyplot as plt
     import seaborn as sns
 
@@ -131,7 +119,6 @@ def flat_grads(model: nn.Module) -> torch.Tensor:
     return torch.cat(grads)
 
 
-# ---------------------------------------------------------------- autocast
 def _op_zoo():
     import torch.nn.functional as F
 
@@ -152,12 +139,8 @@ def _op_zoo():
 
 
 def autocast_op_table(device_type: str, dtype=torch.bfloat16):
-    """What dtype each op returns under ``torch.amp.autocast(device_type, dtype)``.
-
-    Two columns: the op fed fp32 tensors (autocast casts *down* only the ops on its
-    low-precision list), and fed tensors already in ``dtype`` (autocast casts *up* the ops on
-    its fp32 list; other ops simply run in their input's dtype).
-    """
+    """What dtype each op returns under ``torch.amp.autocast(device_type, dtype)``, fed fp32 tensors (autocast casts
+    down its low-precision list) and fed ``dtype`` tensors (it casts up its fp32 list)."""
     import pandas as pd
 
     if device_type not in ("cpu", "cuda", "mps", "xpu"):
@@ -181,18 +164,9 @@ def _short(dtype: torch.dtype) -> str:
     return {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}.get(dtype, str(dtype))
 
 
-# ---------------------------------------------------------------- loss scaling
 class ScaleLog:
-    """Record a ``torch.amp.GradScaler``'s scale after every ``scaler.update()``.
-
-    A step was *skipped* (``scaler.step`` found inf/NaN gradients and did not call
-    ``optimizer.step``) exactly when ``update()`` backed the scale off, i.e. when the scale
-    went down. Use it in the loop::
-
-        log = ScaleLog(scaler)
-        ...
-        scaler.step(optimizer); scaler.update(); log.update(loss)
-    """
+    """Record a ``torch.amp.GradScaler``'s scale after every ``scaler.update()``; a step was skipped (inf/NaN
+    gradients) exactly when the scale went down."""
 
     def __init__(self, scaler):
         if not hasattr(scaler, "get_scale") or not hasattr(scaler, "update"):
@@ -245,7 +219,6 @@ class ScaleLog:
         return ax
 
 
-# ---------------------------------------------------------------- which recipe
 def recommend_precision(compute_capability: tuple[int, int] | None) -> str:
     """The course's recipe for a GPU of this compute capability (None: no CUDA GPU)."""
     if compute_capability is None:
@@ -273,11 +246,7 @@ def decision_table():
 
 
 def cpu_bf16_features(cpuinfo: str | Path = "/proc/cpuinfo") -> list[str] | None:
-    """The CPU's bf16 instruction sets (e.g. ``['amx_bf16', 'avx512_bf16']``), read from ``/proc/cpuinfo``.
-
-    An empty list: the CPU has none (bf16 math is emulated, often slower than fp32); None: unknown
-    (no ``/proc/cpuinfo``, as on macOS or Windows).
-    """
+    """The CPU's bf16 instruction sets (e.g. ``['amx_bf16', 'avx512_bf16']``), read from ``/proc/cpuinfo``."""
     try:
         text = Path(cpuinfo).read_text()
     except (OSError, TypeError):
@@ -289,7 +258,6 @@ def cpu_bf16_features(cpuinfo: str | Path = "/proc/cpuinfo") -> list[str] | None
     return sorted(f for f in flags if "bf16" in f)
 
 
-# ---------------------------------------------------------------- exercise
 EXERCISE_SCALE = 2.0**16     # GradScaler's default first scale
 EXERCISE_STEPS = 8
 OVERFLOW_STEP = 3            # this batch's inputs are 1000x larger: its scaled gradients overflow fp16
@@ -341,16 +309,8 @@ def _reference_run(device: str, max_norm: float):
 
 
 def check_amp_step(step_fn: Callable, *, device: torch.device | str = "cpu", max_norm: float = 0.25) -> bool:
-    """Run the learner's mixed-precision training step on real tensors and compare with a reference.
-
-    ``step_fn(model, optimizer, scaler, x, y, max_norm)`` does one step (fp16 autocast, a
-    ``torch.amp.GradScaler``, gradient clipping at ``max_norm``) and returns ``(loss, norm)``, norm
-    being what ``clip_grad_norm_`` returned. The checker calls it on 8 batches; the 4th has inputs
-    1000x larger, so its scaled gradients overflow fp16. It passes when the forward ran in fp16,
-    that step was skipped (weights untouched) and the scale backed off, clipping saw the true
-    (unscaled) gradient norms, and the final weights match loss scaling done by hand. A
-    ``NotImplementedError`` from ``step_fn`` propagates; any other error is reported as a failure.
-    """
+    """Run the learner's ``step_fn(model, optimizer, scaler, x, y, max_norm) -> (loss, norm)`` on 8 batches (the
+    4th overflows fp16) and compare with loss scaling done by hand; NotImplementedError propagates."""
     from . import checks
 
     if not callable(step_fn):

@@ -1,15 +1,5 @@
-"""8-bit optimizer state, measured (notebook 05).
-
-The notebook writes the quantizers it teaches itself (absmax, block-wise, dynamic map: a few
-lines each). This module holds what would distract from the lesson:
-
-- :func:`error_metrics`: how far a quantized round trip is from the original
-- :func:`state_table`: the bytes each of an optimizer's state tensors really holds (the total is
-  :func:`course_utils.memory.optimizer_state_bytes`)
-- :func:`bnb_roundtrip`: bitsandbytes' own block-wise quantization, to compare with
-- :func:`gpt2_tensor_sizes`: the element count of every GPT-2 parameter tensor, from its config
-- :func:`check_block_quantizer`: the exercise checker (one block, dynamic map)
-"""
+"""8-bit optimizer state (notebook 05): error metrics, state tables, bitsandbytes round trips, GPT-2 tensor
+sizes, the one-block quantizer checker. The quantizers are written in the notebook."""
 from __future__ import annotations
 
 import torch
@@ -41,7 +31,6 @@ def error_metrics(x: torch.Tensor, x_hat: torch.Tensor) -> dict:
     }
 
 
-# ---------------------------------------------------------------- optimizer state bytes
 def _state_tensors(optimizer):
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer (bitsandbytes' are), not {type(optimizer).__name__}.")
@@ -52,12 +41,7 @@ def _state_tensors(optimizer):
 
 
 def state_table(optimizer, model: nn.Module | None = None):
-    """One row per parameter: name, numel, the dtype of its main state, bytes per state key.
-
-    Columns: ``param, numel, state dtype, bytes, bytes/param`` plus one column per state key
-    (``exp_avg``/``exp_avg_sq`` for torch, ``state1/state2/absmax1/absmax2/qmap1/qmap2`` for
-    bitsandbytes). A shared storage is counted in the first row that holds it.
-    """
+    """One row per parameter: name, numel, the dtype of its main state, bytes per state key."""
     import pandas as pd
 
     names = {}
@@ -84,14 +68,8 @@ def state_table(optimizer, model: nn.Module | None = None):
     return df
 
 
-# ---------------------------------------------------------------- quantizers
 def bnb_roundtrip(x: torch.Tensor, *, blocksize: int = BNB_BLOCKSIZE, code: str = "dynamic") -> torch.Tensor:
-    """Quantize ``x`` with ``bitsandbytes.functional.quantize_blockwise`` and dequantize it back.
-
-    ``code='dynamic'`` is bitsandbytes' default signed dynamic map (what 8-bit Adam uses for
-    its first state ``m``), ``'dynamic_unsigned'`` the unsigned one (for ``v >= 0``);
-    ``code='linear'`` is a signed linear map (block-wise absmax int8).
-    """
+    """Quantize ``x`` with ``bitsandbytes.functional.quantize_blockwise`` and dequantize it back."""
     import bitsandbytes.functional as BF
 
     x = float_tensor(x, "x")
@@ -107,7 +85,6 @@ def bnb_roundtrip(x: torch.Tensor, *, blocksize: int = BNB_BLOCKSIZE, code: str 
     return BF.dequantize_blockwise(q, qstate).reshape(x.shape).to(x.dtype)
 
 
-# ---------------------------------------------------------------- GPT-2 arithmetic
 def gpt2_tensor_sizes(name_or_config="gpt2-xl") -> list[int]:
     """Element count of every parameter tensor of a GPT-2 (tied LM head counted once), from its config."""
     from . import models
@@ -128,17 +105,9 @@ def gpt2_tensor_sizes(name_or_config="gpt2-xl") -> list[int]:
     return sizes
 
 
-# ---------------------------------------------------------------- exercise
 def check_block_quantizer(quantize_fn, dequantize_fn, block: torch.Tensor, code: torch.Tensor) -> bool:
-    """Check the learner's one-block quantizer with a dynamic map, on a real block.
-
-    ``quantize_fn(block, code) -> (idx, absmax)``: ``absmax`` the block's largest magnitude, ``idx``
-    a uint8 tensor holding, for each value, the index of the code nearest to ``value / absmax``.
-    ``dequantize_fn(idx, absmax, code) -> code[idx] * absmax``. The reference is the definition
-    itself: distances to all 256 codes (ties count as nearest). The dequantizer is fed the reference
-    indices, so each half is judged on its own. bitsandbytes' ``quantize_blockwise`` on the same block
-    is printed beside it. A ``NotImplementedError`` from the learner's functions propagates.
-    """
+    """Check the learner's ``quantize_fn(block, code) -> (idx, absmax)`` (nearest code to value / absmax) and
+    ``dequantize_fn(idx, absmax, code)`` on a real block, each against the definition."""
     from . import checks
 
     if not callable(quantize_fn) or not callable(dequantize_fn):

@@ -1,13 +1,5 @@
-"""Headline figures each notebook records, so a summary can show the whole memory ledger.
-
-``record("adam_fp32_bytes_per_param", 16, "bytes")`` appends to ``results/<notebook>.json``::
-
-    {"adam_fp32_bytes_per_param": {"value": 16, "unit": "bytes", "profile": "smoke", "device": "cpu"}}
-
-The folder is ``$COURSE_RESULTS_DIR``, else ``results/`` in the course folder
-(:func:`course_utils.paths.course_home`: the repository when run from a checkout).
-The notebook name comes from :func:`set_notebook` (called by ``course_utils.setup``).
-"""
+"""Headline figures: ``record(name, value, unit)`` appends to results/<notebook>.json in
+``$COURSE_RESULTS_DIR`` or the course home's results/."""
 from __future__ import annotations
 
 import json

@@ -1,11 +1,5 @@
-"""A memory timeline of one training step, on any machine, and its export to PyTorch's memory viewer.
-
-``record_timeline(fn, model=, optimizer=)`` runs ``fn()`` under tensor tracking (PyTorch's ``MemTracker``, as
-:func:`course_utils.memory.measure_memory` does) and records every allocation and free with its bytes, category
-(params, grads, optimizer, activations, other) and phase (forward, backward, optimizer): on the CPU, on CUDA and
-under fake tensors. ``to_snapshot`` writes it in the format of ``torch.cuda.memory._snapshot()`` (addresses from
-:mod:`course_utils.allocator`), which PyTorch's viewer draws; ``snapshot_frame`` reads any snapshot back.
-"""
+"""A memory timeline of one training step on any device (MemTracker, as measure_memory), exported in the format of
+``torch.cuda.memory._snapshot()`` so PyTorch's memory viewer draws it."""
 from __future__ import annotations
 
 import itertools
@@ -114,11 +108,7 @@ class Timeline:
 
 
 def record_timeline(fn, *, model: nn.Module | None = None, optimizer=None) -> Timeline:
-    """Run ``fn()`` and record every allocation and free, by category and phase.
-
-    As in :func:`course_utils.memory.measure_memory`, ``model``'s and ``optimizer``'s tensors count from the start
-    (phase 'start') and only the model's device is kept; build inputs inside ``fn`` to count them.
-    """
+    """Run ``fn()`` and record every allocation and free, by category and phase."""
     if not callable(fn):
         raise TypeError(f"fn must be a zero-argument callable (e.g. `lambda: train_step()`), not {type(fn).__name__}.")
     if model is not None and not isinstance(model, nn.Module):

@@ -1,10 +1,5 @@
-"""Timing, one way for the whole course: ``torch.utils.benchmark``.
-
-``Timer`` synchronises CUDA around each run, warms up, and reports the median of many runs;
-notebooks compare techniques with :func:`time_fn` (one callable) and :func:`time_fns` (several,
-each measured the same way). On a shared 2-core CI machine timings wobble: claims about time use
-generous bounds, and saved timing outputs are never compared.
-"""
+"""Timing, one way for the whole course: ``torch.utils.benchmark`` (CUDA sync, warm-up, median of many runs).
+On a shared CPU timings wobble: time claims use generous bounds."""
 from __future__ import annotations
 
 import statistics
@@ -20,12 +15,7 @@ def _check_fn(fn, what: str = "fn") -> None:
 
 
 def time_fn(fn: Callable[[], object], *, min_run_time: float = 0.2, warmup: int = 1, threads: int | None = None) -> float:
-    """Median seconds of one ``fn()`` call, measured by ``torch.utils.benchmark.Timer``.
-
-    ``min_run_time``: keep running for at least this many seconds (more runs, steadier median);
-    ``warmup``: calls before timing (first calls pay for allocation and kernel selection);
-    ``threads``: torch threads while timing (default: torch's current setting).
-    """
+    """Median seconds of one ``fn()`` call, measured by ``torch.utils.benchmark.Timer``."""
     _check_fn(fn)
     if isinstance(min_run_time, bool) or not isinstance(min_run_time, (int, float)) or min_run_time <= 0:
         raise ValueError(f"min_run_time must be a positive number of seconds, e.g. 0.2, not {min_run_time!r}.")
@@ -42,12 +32,8 @@ def time_fn(fn: Callable[[], object], *, min_run_time: float = 0.2, warmup: int 
 
 
 def time_fns(fns: dict, *, rounds: int = 3, min_run_time: float = 0.2, **kwargs) -> dict:
-    """``{label: median seconds}`` for several callables, timed fairly.
-
-    The callables take turns (``rounds`` rounds of a, b, a, b, ...), each turn a :func:`time_fn` of
-    ``min_run_time / rounds`` seconds, and each gets the median of its turns: a burst of load on a
-    shared machine then hits every callable alike instead of one of them.
-    """
+    """``{label: median seconds}`` for several callables, taking turns for ``rounds`` rounds so that a burst of
+    load on a shared machine hits every callable alike."""
     if not isinstance(fns, dict) or not fns:
         raise TypeError("fns must be a non-empty dict {label: zero-argument callable}.")
     for label, fn in fns.items():

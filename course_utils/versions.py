@@ -1,11 +1,5 @@
-"""Are the installed libraries inside the versions the course was tested with?
-
-The tested ranges are course_utils' declared requirements, read from the installed package's
-metadata (``importlib.metadata.requires("course_utils")``: the dependencies and extras in
-``pyproject.toml``), so they are written in one place. :func:`version_report` says, package by
-package, whether the installed version is inside its range, and says it loudly when it is not. Versions and
-ranges are read by ``packaging`` (PEP 440), as pip reads them.
-"""
+"""Installed library versions against the ranges course_utils declares (its package metadata), read as pip reads
+them (PEP 440)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -46,10 +40,7 @@ def in_range(version: str, specifier: str) -> bool:
 
 
 def declared_ranges(distribution: str = "course_utils") -> dict:
-    """{package: specifier} from the installed ``distribution``'s requirements (extras included).
-
-    Raises ValueError when the distribution is not installed (its metadata is where the ranges live).
-    """
+    """{package: specifier} from the installed ``distribution``'s requirements (extras included)."""
     try:
         requirements = metadata.requires(distribution) or []
     except metadata.PackageNotFoundError as err:
