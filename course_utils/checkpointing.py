@@ -12,7 +12,9 @@ from dataclasses import dataclass, field
 from numbers import Real
 from typing import Iterable, Sequence
 
-from .validation import positive_int, positive_number
+import numpy as np
+
+from .validation import callable_arg, positive_int, positive_number
 
 STRATEGIES = ("store_all", "recompute_all", "every_k", "checkpoints")
 STRATEGY_LABELS = {
@@ -29,38 +31,40 @@ def _check_n(n) -> int:
     return positive_int(n, "n (the number of layers)", "e.g. 9")
 
 
+def _is_list(x) -> bool:
+    return isinstance(x, Iterable) and not isinstance(x, (str, bytes))
+
+
 def _check_sizes(sizes, n: int) -> tuple:
     if sizes is None:
         return (1,) * n
-    if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Iterable):
+    if not _is_list(sizes):
         raise TypeError(f"sizes must be a list of {n} positive numbers (one per layer), not {type(sizes).__name__}.")
     sizes = tuple(sizes)
     if len(sizes) != n:
         raise ValueError(f"sizes has {len(sizes)} entries but the chain has n={n} layers: give one size per layer.")
-    for i, s in enumerate(sizes, start=1):
-        if isinstance(s, bool) or not isinstance(s, Real) or not math.isfinite(s) or s <= 0:
-            raise ValueError(f"sizes[{i - 1}] (the size of f{i}) must be a positive number, got {s!r}.")
+    bad = [(i, s) for i, s in enumerate(sizes, 1) if isinstance(s, bool) or not isinstance(s, Real) or not 0 < s < math.inf]
+    if bad:
+        raise ValueError(f"sizes[{bad[0][0] - 1}] (the size of f{bad[0][0]}) must be a positive number, got {bad[0][1]!r}.")
     return sizes
 
 
 def _check_positions(checkpoints, n: int) -> tuple:
     if checkpoints is None:
         raise ValueError("strategy 'checkpoints' needs checkpoints=[positions], e.g. checkpoints=[3, 6].")
-    if isinstance(checkpoints, (str, bytes)) or not isinstance(checkpoints, Iterable):
+    if not _is_list(checkpoints):
         raise TypeError(f"checkpoints must be a list of layer positions (ints 1..n), not {type(checkpoints).__name__}.")
-    out = set()
     for c in checkpoints:
         if isinstance(c, bool) or not isinstance(c, int):
             raise TypeError(f"checkpoint positions must be ints between 1 and n={n}, got {c!r}.")
         if not 1 <= c <= n:
             raise ValueError(f"checkpoint position {c} is outside the chain: use positions between 1 and n={n}.")
-        out.add(c)
-    return tuple(sorted(out))
+    return tuple(sorted(set(checkpoints)))
 
 
 def _check_sizes_budget(sizes, budget) -> tuple:
     """``(n, sizes, budget)`` for the exercise's functions: a non-empty list of sizes and a positive budget."""
-    if sizes is None or isinstance(sizes, (str, bytes)) or not hasattr(sizes, "__len__") or len(sizes) == 0:
+    if not _is_list(sizes) or not hasattr(sizes, "__len__") or len(sizes) == 0:
         raise ValueError("sizes must list the size of each layer's activation, e.g. [4, 1, 6, 1].")
     budget = positive_number(budget, "budget", "in the units of sizes, e.g. 16")
     return len(sizes), _check_sizes(sizes, len(sizes)), budget
@@ -114,38 +118,21 @@ class ChainSchedule:
     def live_at(self, t: int) -> frozenset:
         """The nodes live while step ``t`` (0-based) runs, as ("f"|"b", i) pairs."""
         if self.live is None:
-            raise ValueError(
-                f"This schedule did not record live sets (n={self.n}); simulate(..., record_live=True) "
-                f"records them (fine for n up to a few hundred)."
-            )
-        if isinstance(t, bool) or not isinstance(t, int):
-            raise TypeError(f"t must be an int step index, not {type(t).__name__}.")
-        if not 0 <= t < self.steps:
+            raise ValueError(f"This schedule did not record live sets (n={self.n}); simulate(..., record_live=True) "
+                             "records them (fine for n up to a few hundred).")
+        if positive_int(t, "t (the step index)", allow_zero=True) >= self.steps:
             raise ValueError(f"step t={t} is outside the schedule: use 0..{self.steps - 1}.")
         return self.live[t]
 
     def summary(self) -> dict:
-        return {
-            "strategy": self.label,
-            "n": self.n,
-            "checkpoints": len(self.checkpoints) if self.strategy not in ("store_all", "recompute_all") else None,
-            "peak_nodes": self.peak_nodes,
-            "peak_memory": self.peak_memory,
-            "forward_computations": self.forward_count,
-            "forward_ratio": self.forward_ratio,
-        }
+        return {"strategy": self.label, "n": self.n,
+                "checkpoints": len(self.checkpoints) if self.strategy not in ("store_all", "recompute_all") else None,
+                "peak_nodes": self.peak_nodes, "peak_memory": self.peak_memory,
+                "forward_computations": self.forward_count, "forward_ratio": self.forward_ratio}
 
 
-def simulate(
-    n: int,
-    strategy: str = "every_k",
-    *,
-    rule,
-    k: int | None = None,
-    checkpoints: Sequence[int] | None = None,
-    sizes: Sequence[float] | None = None,
-    record_live: bool | None = None,
-) -> ChainSchedule:
+def simulate(n: int, strategy: str = "every_k", *, rule, k: int | None = None, checkpoints: Sequence[int] | None = None,
+             sizes: Sequence[float] | None = None, record_live: bool | None = None) -> ChainSchedule:
     """Run ``rule`` (the notebook's keep/recompute rule) for a strategy on an n-layer chain."""
     _check_n(n)
     if strategy not in STRATEGIES:
@@ -166,17 +153,8 @@ def simulate(
         stored, keep_recomputed = tuple(range(k, n + 1, k)), True
     else:
         stored, keep_recomputed = _check_positions(checkpoints, n), True
-    if record_live is None:
-        record_live = n <= MAX_LIVE_RECORD
-    return _run(n, strategy, stored, keep_recomputed, sizes, bool(record_live), rule)
-
-
-def _check_rule(rule) -> None:
-    if not callable(rule):
-        raise TypeError(
-            "rule must be the notebook's keep/recompute rule: a function (n, kept, keep_recomputed) that yields "
-            f"('compute', node, recomputed) and ('free', node) operations, not {type(rule).__name__}."
-        )
+    record_live = n <= MAX_LIVE_RECORD if record_live is None else bool(record_live)
+    return _run(n, strategy, stored, keep_recomputed, sizes, record_live, rule)
 
 
 def _node_name(node) -> str:
@@ -192,7 +170,8 @@ def _needs(node, n: int) -> list:
 
 
 def _run(n, strategy, stored, keep_recomputed, sizes, record_live, rule) -> ChainSchedule:
-    _check_rule(rule)
+    callable_arg(rule, "rule", "the notebook's keep/recompute rule: a function (n, kept, keep_recomputed) that "
+                 "yields ('compute', node, recomputed) and ('free', node) operations")
     live: dict = {}  # node -> size
     mem = peak_mem = peak_nodes = forward = 0
     ops, recomputed, memory, counts, lives = [], [], [], [], ([] if record_live else None)
@@ -235,7 +214,7 @@ def sweep(ns: Iterable[int], *, rule, strategies: Sequence[str] = ("store_all", 
     """Simulate each strategy for each n with ``rule``; a DataFrame with n, strategy, peak_nodes, forward_computations."""
     import pandas as pd
 
-    if isinstance(ns, int) or not isinstance(ns, Iterable):
+    if not _is_list(ns):
         raise TypeError("ns must be a list of chain lengths, e.g. [4, 16, 64, 256, 1024].")
     ns = [_check_n(n) for n in ns]
     if not ns:
@@ -243,20 +222,13 @@ def sweep(ns: Iterable[int], *, rule, strategies: Sequence[str] = ("store_all", 
     for s in strategies:
         if s not in STRATEGIES or s == "checkpoints":
             raise ValueError(f"sweep strategies must be among {STRATEGIES[:3]}, got {s!r}.")
-    rows = []
-    for n in ns:
-        for s in strategies:
-            sched = simulate(n, s, rule=rule, record_live=False)
-            rows.append(sched.summary())
-    return pd.DataFrame(rows)
+    return pd.DataFrame([simulate(n, s, rule=rule, record_live=False).summary() for n in ns for s in strategies])
 
 
 def segment_checkpoints(n: int, segments: int) -> tuple:
     """Checkpoint positions that cut an n-layer chain into ``segments`` nearly equal segments."""
     _check_n(n)
-    if isinstance(segments, bool) or not isinstance(segments, int):
-        raise TypeError(f"segments must be an int, not {type(segments).__name__}.")
-    if not 1 <= segments <= n:
+    if positive_int(segments, "segments", f"between 1 and n={n}") > n:
         raise ValueError(f"segments must be between 1 and n={n}, got {segments}.")
     return tuple(sorted({round(i * n / segments) for i in range(1, segments + 1)}))
 
@@ -274,9 +246,8 @@ def best_segment_count(n: int, *, rule, max_segments: int | None = None):
     for s in range(1, max_segments + 1):
         sched = simulate(n, "checkpoints", rule=rule, checkpoints=segment_checkpoints(n, s), record_live=False)
         rows.append({"segments": s, "peak_nodes": sched.peak_nodes, "forward_computations": sched.forward_count})
-    table = pd.DataFrame(rows)
     best = min(rows, key=lambda r: (r["peak_nodes"], r["forward_computations"], r["segments"]))
-    return best["segments"], table
+    return best["segments"], pd.DataFrame(rows)
 
 
 def optimal_checkpoints(sizes: Sequence[float], budget: float, *, rule) -> ChainSchedule:
@@ -288,34 +259,25 @@ def optimal_checkpoints(sizes: Sequence[float], budget: float, *, rule) -> Chain
     for r in range(n):
         for subset in itertools.combinations(range(1, n), r):
             sched = simulate(n, "checkpoints", rule=rule, checkpoints=subset, sizes=sizes, record_live=False)
-            if lowest is None or sched.peak_memory < lowest:
-                lowest = sched.peak_memory
-            if sched.peak_memory > budget:
-                continue
+            lowest = sched.peak_memory if lowest is None else min(lowest, sched.peak_memory)
             key = (sched.forward_count, sched.peak_memory, len(subset), subset)
-            if best_key is None or key < best_key:
+            if sched.peak_memory <= budget and (best_key is None or key < best_key):
                 best, best_key = sched, key
     if best is None:
         floor = simulate(n, "recompute_all", rule=rule, sizes=sizes, record_live=False).peak_memory
-        raise ValueError(
-            f"No checkpoint set keeps the peak within budget={budget}: the smallest peak a checkpoint set "
-            f"reaches is {lowest}. Raise the budget to at least {lowest} (recomputing everything would need {floor})."
-        )
+        raise ValueError(f"No checkpoint set keeps the peak within budget={budget}: the smallest peak a checkpoint set "
+                         f"reaches is {lowest}. Raise the budget to at least {lowest} (recomputing everything would need {floor}).")
     return simulate(n, "checkpoints", rule=rule, checkpoints=best.checkpoints, sizes=sizes)
 
 
 def evaluate_checkpoints(sizes: Sequence[float], budget: float, checkpoints: Sequence[int], *, rule) -> dict:
     """Grade a checkpoint choice: does it fit the budget, and how many recomputations does it cost?"""
     n, sizes, budget = _check_sizes_budget(sizes, budget)
-    if checkpoints is None or isinstance(checkpoints, (str, bytes)) or not isinstance(checkpoints, Iterable):
+    if not _is_list(checkpoints):
         raise TypeError(f"checkpoints must be a list of positions such as [2, 5], not {checkpoints!r}.")
     sched = simulate(n, "checkpoints", rule=rule, checkpoints=list(checkpoints), sizes=sizes, record_live=False)
-    return {
-        "checkpoints": sched.checkpoints,
-        "peak_memory": sched.peak_memory,
-        "fits": sched.peak_memory <= budget,
-        "recomputations": sched.recompute_count,
-    }
+    return {"checkpoints": sched.checkpoints, "peak_memory": sched.peak_memory, "fits": sched.peak_memory <= budget,
+            "recomputations": sched.recompute_count}
 
 
 LIVE_COLOR = "#8e44ad"  # the article's purple
@@ -327,79 +289,53 @@ def draw_step(schedule: ChainSchedule, t: int, ax=None, *, title: bool = True):
     """Draw the f/b graph with the nodes live at step ``t`` shaded; the node computed is outlined red."""
     import matplotlib.pyplot as plt
 
-    if not isinstance(schedule, ChainSchedule):
-        raise TypeError(f"schedule must come from simulate(...), not {type(schedule).__name__}.")
-    live = schedule.live_at(t)
-    n = schedule.n
-    if ax is None:
-        _, ax = plt.subplots(figsize=(max(4.0, 0.75 * n + 1.5), 2.2))
-    op = schedule.ops[t]
-    current = (op[0], int(op[1:]))
-    kept = set(schedule.checkpoints) if schedule.strategy != "store_all" else set()
-    ytop, ybot = 1.0, 0.0
-    # edges, shortened so they stop at the node circles; one quiver call (FancyArrowPatch is slow)
-    edges = [((0, ytop), (1, ytop))]
-    for i in range(1, n + 1):
-        if i < n:
-            edges += [((i, ytop), (i + 1, ytop)), ((i + 1, ybot), (i, ybot))]
-        edges.append(((i, ytop), (i, ybot)))
-    gap = 0.24
-    xs, ys, us, vs = [], [], [], []
-    for (x0, y0), (x1, y1) in edges:
-        length = math.hypot(x1 - x0, y1 - y0)
-        ux, uy = (x1 - x0) / length, (y1 - y0) / length
-        xs.append(x0 + gap * ux)
-        ys.append(y0 + gap * uy)
-        us.append((length - 2 * gap) * ux)
-        vs.append((length - 2 * gap) * uy)
-    ax.quiver(xs, ys, us, vs, angles="xy", scale_units="xy", scale=1, color="0.55", width=0.003,
-              headwidth=4, headlength=4.5, headaxislength=4, zorder=1)
-    ax.scatter([0], [ytop], s=260, marker="o", facecolor="0.85", edgecolor="0.4", zorder=2)
-    ax.text(0, ytop, "x", ha="center", va="center", fontsize=8, zorder=3)
-    for kind, y in (("f", ytop), ("b", ybot)):
-        for i in range(1, n + 1):
-            node = (kind, i)
-            is_live = node in live
-            face = "white"
-            if is_live:
-                face = RECOMPUTE_COLOR if (node == current and schedule.recomputed[t]) else LIVE_COLOR
-            marker = "s" if (kind == "f" and i in kept) else "o"
-            edge = CURRENT_EDGE if node == current else "0.3"
-            ax.scatter([i], [y], s=300, marker=marker, facecolor=face, edgecolor=edge,
-                       linewidths=2.5 if node == current else 1.0, zorder=2)
-            ax.text(i, y, f"{kind}{i}", ha="center", va="center", fontsize=7 if n < 13 else 6,
-                    color="white" if is_live else "black", zorder=3)
-    if not schedule.unit_sizes:  # write each node's size above its f node
-        for i in range(1, n + 1):
-            ax.text(i, ytop + 0.42, f"{schedule.sizes[i - 1]:g}", ha="center", va="center", fontsize=7, color="0.35")
-        ax.text(0, ytop + 0.42, "size", ha="center", va="center", fontsize=7, color="0.35")
-    ax.set_xlim(-0.6, n + 0.6)
-    ax.set_ylim(ybot - 0.55, ytop + (0.55 if schedule.unit_sizes else 0.7))
-    ax.set_aspect("equal")
+    _check_schedule(schedule)
+    live, n, op = schedule.live_at(t), schedule.n, schedule.ops[t]
+    ax = ax or plt.subplots(figsize=(max(4.0, 0.75 * n + 1.5), 2.2))[1]
+    current, kept = (op[0], int(op[1:])), set(schedule.checkpoints) if schedule.strategy != "store_all" else set()
+    # edges (f(i-1) -> fi along the top, b(i+1) -> bi along the bottom, fi -> bi), shortened by `gap` so they stop
+    # at the node circles; one quiver call (FancyArrowPatch is slow)
+    edges = [(0, 1, 1, 1)] + [e for i in range(1, n) for e in ((i, 1, i + 1, 1), (i + 1, 0, i, 0))]
+    edges += [(i, 1, i, 0) for i in range(1, n + 1)]
+    x0, y0, x1, y1 = (np.array(c, dtype=float) for c in zip(*edges))
+    length, gap = np.hypot(x1 - x0, y1 - y0), 0.24
+    ux, uy = (x1 - x0) / length, (y1 - y0) / length
+    ax.quiver(x0 + gap * ux, y0 + gap * uy, (length - 2 * gap) * ux, (length - 2 * gap) * uy, angles="xy",
+              scale_units="xy", scale=1, color="0.55", width=0.003, headwidth=4, headlength=4.5, headaxislength=4, zorder=1)
+    ax.scatter([0], [1], s=260, marker="o", facecolor="0.85", edgecolor="0.4", zorder=2)
+    ax.text(0, 1, "x", ha="center", va="center", fontsize=8, zorder=3)
+    for (kind, y), i in itertools.product((("f", 1), ("b", 0)), range(1, n + 1)):
+        node, is_live = (kind, i), (kind, i) in live
+        face = (RECOMPUTE_COLOR if node == current and schedule.recomputed[t] else LIVE_COLOR) if is_live else "white"
+        ax.scatter([i], [y], s=300, marker="s" if kind == "f" and i in kept else "o", facecolor=face,
+                   edgecolor=CURRENT_EDGE if node == current else "0.3", linewidths=2.5 if node == current else 1.0, zorder=2)
+        ax.text(i, y, f"{kind}{i}", ha="center", va="center", fontsize=7 if n < 13 else 6,
+                color="white" if is_live else "black", zorder=3)
+    if not schedule.unit_sizes:  # each node's size above its f node
+        for i, label in enumerate(["size"] + [f"{v:g}" for v in schedule.sizes]):
+            ax.text(i, 1.42, label, ha="center", va="center", fontsize=7, color="0.35")
+    ax.set(xlim=(-0.6, n + 0.6), ylim=(-0.55, 1.55 if schedule.unit_sizes else 1.7), aspect="equal")
     ax.axis("off")
     if title:
-        verb = "recompute" if schedule.recomputed[t] else "compute"
-        unit = "" if schedule.unit_sizes else " (size units)"
-        ax.set_title(
-            f"{schedule.label}: step {t + 1}/{schedule.steps}, {verb} {op}; "
-            f"live {schedule.live_nodes[t]} nodes{'' if schedule.unit_sizes else f', memory {schedule.memory[t]:g}{unit}'}",
-            fontsize=9,
-        )
+        memory = "" if schedule.unit_sizes else f", memory {schedule.memory[t]:g} (size units)"
+        ax.set_title(f"{schedule.label}: step {t + 1}/{schedule.steps}, "
+                     f"{'recompute' if schedule.recomputed[t] else 'compute'} {op}; "
+                     f"live {schedule.live_nodes[t]} nodes{memory}", fontsize=9)
     return ax
+
+
+def _check_schedule(schedule) -> None:
+    if not isinstance(schedule, ChainSchedule):
+        raise TypeError(f"schedule must come from simulate(...), not {type(schedule).__name__}.")
 
 
 def interesting_steps(schedule: ChainSchedule, count: int = 4) -> list:
     """A few steps worth showing: end of the forward pass, the peak, a recomputation, the last step."""
-    if not isinstance(schedule, ChainSchedule):
-        raise TypeError(f"schedule must come from simulate(...), not {type(schedule).__name__}.")
-    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-        raise ValueError(f"count must be a positive int, got {count!r}.")
-    picks = [schedule.n - 1]  # the forward pass has just finished
-    picks.append(max(range(schedule.steps), key=lambda s: (schedule.memory[s], -s)))  # first peak step
+    _check_schedule(schedule)
+    positive_int(count, "count")
     rec = [s for s in range(schedule.steps) if schedule.recomputed[s]]
-    if rec:
-        picks.append(rec[len(rec) // 2])
-    picks.append(schedule.steps - 1)
+    picks = [schedule.n - 1, max(range(schedule.steps), key=lambda s: (schedule.memory[s], -s))]  # forward done, peak
+    picks += rec[len(rec) // 2:][:1] + [schedule.steps - 1]
     middle = schedule.n + (schedule.steps - schedule.n) // 2
     for extra in (middle, schedule.n, schedule.n // 2, 0):
         if len(set(picks)) >= count:
@@ -416,8 +352,7 @@ def draw_strategy_grid(n: int = 6, strategies: Sequence[str] = ("store_all", "re
     _check_n(n)
     if n > 16:
         raise ValueError(f"draw_strategy_grid draws every node; keep n <= 16 (got {n}).")
-    if isinstance(steps_per_strategy, bool) or not isinstance(steps_per_strategy, int) or steps_per_strategy < 1:
-        raise ValueError(f"steps_per_strategy must be a positive int, got {steps_per_strategy!r}.")
+    positive_int(steps_per_strategy, "steps_per_strategy")
     strategies = list(strategies)
     for s in strategies:
         if s not in STRATEGIES[:3]:
@@ -449,12 +384,11 @@ def plot_timelines(schedules: Sequence[ChainSchedule], ax=None):
     schedules = list(schedules)
     if not schedules or not all(isinstance(s, ChainSchedule) for s in schedules):
         raise TypeError("schedules must be a non-empty list of simulate(...) results.")
-    if ax is None:
-        _, ax = plt.subplots(figsize=(8, 3.2))
+    ax = ax or plt.subplots(figsize=(8, 3.2))[1]
     for s in schedules:
         ax.step(range(1, s.steps + 1), s.memory, where="mid", label=f"{s.label} (peak {s.peak_memory:g})")
-    ax.set_xlabel("step (one node computed per step)")
-    ax.set_ylabel("live nodes" if all(s.unit_sizes for s in schedules) else "memory (size units)")
+    ax.set(xlabel="step (one node computed per step)",
+           ylabel="live nodes" if all(s.unit_sizes for s in schedules) else "memory (size units)")
     ax.legend(fontsize=8)
     return ax
 
@@ -463,27 +397,23 @@ def plot_scaling(table, axes=None):
     """Two log-log panels from :func:`sweep`: peak live nodes vs n and forward computations vs n,
     with the reference lines sqrt(n), 2 sqrt(n), n and n^2/2."""
     import matplotlib.pyplot as plt
-    import numpy as np
     import seaborn as sns
 
     needed = {"n", "strategy", "peak_nodes", "forward_computations"}
     if not needed <= set(getattr(table, "columns", [])):
         raise ValueError(f"table must be a DataFrame from sweep() with columns {sorted(needed)}.")
-    if axes is None:
-        _, axes = plt.subplots(1, 2, figsize=(11, 4))
+    axes = plt.subplots(1, 2, figsize=(11, 4))[1] if axes is None else axes
     ns = np.array(sorted(table["n"].unique()), dtype=float)
-    sns.lineplot(data=table, x="n", y="peak_nodes", hue="strategy", marker="o", ax=axes[0])
-    axes[0].plot(ns, np.sqrt(ns), "k:", lw=1, label="sqrt(n)")
-    axes[0].plot(ns, 2 * np.sqrt(ns), "k--", lw=1, label="2 sqrt(n)")
-    axes[0].set(xscale="log", yscale="log", title="peak memory", ylabel="peak live nodes")
-    axes[0].legend(fontsize=8)
-    sns.lineplot(data=table, x="n", y="forward_computations", hue="strategy", marker="o", ax=axes[1])
-    axes[1].plot(ns, ns, "k:", lw=1, label="n")
-    axes[1].plot(ns, 2 * ns, "k--", lw=1, label="2n")
-    axes[1].plot(ns, ns ** 2 / 2, "k-.", lw=1, label="n²/2")
-    axes[1].set(xscale="log", yscale="log", title="compute", ylabel="forward computations")
-    axes[1].legend(fontsize=8)
-    for ax in axes:
+    panels = [("peak_nodes", "peak memory", "peak live nodes",
+               [(np.sqrt(ns), "k:", "sqrt(n)"), (2 * np.sqrt(ns), "k--", "2 sqrt(n)")]),
+              ("forward_computations", "compute", "forward computations",
+               [(ns, "k:", "n"), (2 * ns, "k--", "2n"), (ns ** 2 / 2, "k-.", "n²/2")])]
+    for ax, (column, title, ylabel, lines) in zip(axes, panels):
+        sns.lineplot(data=table, x="n", y=column, hue="strategy", marker="o", ax=ax)
+        for y, style, label in lines:
+            ax.plot(ns, y, style, lw=1, label=label)
+        ax.set(xscale="log", yscale="log", title=title, ylabel=ylabel)
+        ax.legend(fontsize=8)
         ax.set_xscale("log", base=2)
     return axes
 
@@ -500,8 +430,8 @@ def chain_explorer(n: int = 9, strategies: Sequence[str] = ("store_all", "recomp
         raise ValueError(f"chain_explorer draws every node; keep n <= 16 (got {n}).")
     schedules = {STRATEGY_LABELS[s]: simulate(n, s, rule=rule, record_live=True) for s in strategies}
     picker = widgets.ToggleButtons(options=list(schedules), description="strategy")
-    first = schedules[picker.value]
-    slider = widgets.IntSlider(value=0, min=0, max=first.steps - 1, description="step", continuous_update=False)
+    slider = widgets.IntSlider(value=0, min=0, max=schedules[picker.value].steps - 1, description="step",
+                               continuous_update=False)
     out = widgets.Output()
 
     def redraw(*_):

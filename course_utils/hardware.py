@@ -1,8 +1,4 @@
-"""What machine is this notebook running on, and which course profile applies?
-
-Every notebook starts with :func:`banner` so a learner (and a results file) always says
-which device, how much memory and which profile produced the numbers that follow.
-"""
+"""What machine is this, which course profile applies, and what a card holds beyond the tensors."""
 from __future__ import annotations
 
 import os
@@ -13,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from .units import GIB, MIB
+from .validation import byte_counts, positive_number
 
 PROFILES = ("smoke", "full")
 
@@ -34,9 +31,7 @@ def gpu_bytes_needed(tensor_peak_bytes: int, *, context_bytes: int = CUDA_CONTEX
                      reserve_fraction: float = ALLOCATOR_RESERVE_FRACTION) -> int:
     """Bytes a card must have for a step whose tensors peak at ``tensor_peak_bytes``: tensors + the allocator's
     reserve + the CUDA context. Every "fits in N GiB" compares this with the card."""
-    for name, value in (("tensor_peak_bytes", tensor_peak_bytes), ("context_bytes", context_bytes)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"{name} must be a whole number of bytes >= 0, not {value!r}.")
+    byte_counts(tensor_peak_bytes=tensor_peak_bytes, context_bytes=context_bytes)
     if isinstance(reserve_fraction, bool) or not isinstance(reserve_fraction, (int, float)) or not 0 <= reserve_fraction < 1:
         raise ValueError(f"reserve_fraction must be a number in [0, 1), e.g. 0.05, not {reserve_fraction!r}.")
     return int(tensor_peak_bytes + round(reserve_fraction * tensor_peak_bytes) + context_bytes)
@@ -46,10 +41,7 @@ def device_type() -> str:
     """'cuda', 'mps' or 'cpu': the best accelerator PyTorch can use here."""
     if torch.cuda.is_available():
         return "cuda"
-    mps = getattr(torch.backends, "mps", None)
-    if mps is not None and mps.is_available():
-        return "mps"
-    return "cpu"
+    return "mps" if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available() else "cpu"
 
 
 def get_device() -> torch.device:
@@ -58,9 +50,7 @@ def get_device() -> torch.device:
 
 def gpu_name() -> str | None:
     """The CUDA device's marketing name, or None without a CUDA GPU."""
-    if not torch.cuda.is_available():
-        return None
-    return torch.cuda.get_device_name(0)
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
 
 
 def total_memory_bytes() -> int:
@@ -77,9 +67,7 @@ def total_memory_bytes() -> int:
 
 def compute_capability() -> tuple[int, int] | None:
     """(major, minor) of the CUDA GPU, or None without one."""
-    if not torch.cuda.is_available():
-        return None
-    return tuple(torch.cuda.get_device_capability(0))
+    return tuple(torch.cuda.get_device_capability(0)) if torch.cuda.is_available() else None
 
 
 def supports_bf16() -> bool:
@@ -96,22 +84,16 @@ def in_colab() -> bool:
 def course_profile() -> str:
     """'smoke' (small sizes, minutes on a CPU) or 'full' (the articles' sizes, on a GPU)."""
     value = os.environ.get("COURSE_PROFILE", "").strip().lower()
-    if value:
-        if value not in PROFILES:
-            raise ValueError(
-                f"COURSE_PROFILE={value!r} is not a profile; set it to one of {PROFILES} "
-                "(or unset it to choose automatically: full on a CUDA GPU, smoke elsewhere)."
-            )
-        return value
-    return "full" if torch.cuda.is_available() else "smoke"
+    if value and value not in PROFILES:
+        raise ValueError(f"COURSE_PROFILE={value!r} is not a profile; set it to one of {PROFILES} "
+                         "(or unset it to choose automatically: full on a CUDA GPU, smoke elsewhere).")
+    return value or ("full" if torch.cuda.is_available() else "smoke")
 
 
 def cuda_context_from_counters(device_free: int, device_total: int, reserved: int) -> int:
     """The card's memory in use outside PyTorch's caching allocator: total - free - reserved, never below 0.
     ``mem_get_info`` is the whole card's, so other processes on a shared card count here too."""
-    for name, value in (("device_free", device_free), ("device_total", device_total), ("reserved", reserved)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"{name} must be a whole number of bytes >= 0, not {value!r}.")
+    byte_counts(device_free=device_free, device_total=device_total, reserved=reserved)
     if device_free > device_total:
         raise ValueError(f"device_free ({device_free}) exceeds device_total ({device_total}): pass mem_get_info()'s (free, total).")
     return max(0, device_total - device_free - reserved)
@@ -119,9 +101,9 @@ def cuda_context_from_counters(device_free: int, device_total: int, reserved: in
 
 def cuda_context_bytes(counters=None) -> int | None:
     """The CUDA context measured on this card (see :func:`cuda_context_from_counters`); None without CUDA."""
+    if counters is None and not torch.cuda.is_available():
+        return None
     if counters is None:
-        if not torch.cuda.is_available():
-            return None
         from .memory import CudaCounters
 
         counters = CudaCounters()
@@ -131,45 +113,31 @@ def cuda_context_bytes(counters=None) -> int | None:
 
 def allocator_fraction(total_bytes: int, budget_bytes: int, context_bytes: int) -> float:
     """The fraction of a card to give PyTorch's allocator so that allocator + context fit ``budget_bytes``."""
-    for name, value in (("total_bytes", total_bytes), ("budget_bytes", budget_bytes), ("context_bytes", context_bytes)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"{name} must be a whole number of bytes >= 0, not {value!r}.")
+    byte_counts(total_bytes=total_bytes, budget_bytes=budget_bytes, context_bytes=context_bytes)
     if total_bytes == 0:
         raise ValueError("total_bytes is 0: pass the card's memory (torch.cuda.get_device_properties(0).total_memory).")
     if budget_bytes <= context_bytes:
-        raise ValueError(
-            f"A budget of {budget_bytes / GIB:.2f} GiB leaves nothing for tensors once the CUDA context "
-            f"({context_bytes / GIB:.2f} GiB) is counted: raise the budget above the context."
-        )
+        raise ValueError(f"A budget of {budget_bytes / GIB:.2f} GiB leaves nothing for tensors once the CUDA context "
+                         f"({context_bytes / GIB:.2f} GiB) is counted: raise the budget above the context.")
     return min(1.0, (budget_bytes - context_bytes) / total_bytes)
 
 
 def cap_gpu_memory(budget_gib: float) -> str:
     """Make a larger GPU behave like one with ``budget_gib`` GiB, so "fits in 12 GB" is proven: the allocator gets
     the budget less the CUDA context. Returns a sentence saying what happened (nothing on CPU/MPS)."""
-    if isinstance(budget_gib, bool) or not isinstance(budget_gib, (int, float)):
-        raise TypeError(f"budget_gib must be a number of GiB such as 12, not {type(budget_gib).__name__}.")
-    if not budget_gib > 0:
-        raise ValueError(f"budget_gib must be positive (got {budget_gib}); pass the lesson's GPU budget, e.g. 12.")
+    positive_number(budget_gib, "budget_gib", "the lesson's GPU budget in GiB, e.g. 12")
     if not torch.cuda.is_available():
-        return (
-            f"No CUDA GPU here: the {budget_gib:g} GiB cap does nothing on {device_type()}. "
-            "Memory is measured by tracking tensors instead."
-        )
-    total = int(torch.cuda.get_device_properties(0).total_memory)
-    measured = cuda_context_bytes()
-    context = measured if measured else CUDA_CONTEXT_BYTES
-    how = "measured" if measured else "assumed"
-    budget = int(budget_gib * GIB)
+        return (f"No CUDA GPU here: the {budget_gib:g} GiB cap does nothing on {device_type()}. "
+                "Memory is measured by tracking tensors instead.")
+    total, measured, budget = int(torch.cuda.get_device_properties(0).total_memory), cuda_context_bytes(), int(budget_gib * GIB)
+    context, how = (measured, "measured") if measured else (CUDA_CONTEXT_BYTES, "assumed")
     if budget >= total:
         return f"{gpu_name()} has {total / GIB:.1f} GiB, not more than the {budget_gib:g} GiB budget: no cap needed."
     fraction = allocator_fraction(total, budget, context)
     torch.cuda.set_per_process_memory_fraction(fraction, 0)
-    return (
-        f"Capped {gpu_name()} ({total / GIB:.1f} GiB) to {budget_gib:g} GiB: {(budget - context) / GIB:.2f} GiB "
-        f"for PyTorch's allocator ({fraction:.1%} of the card) and {context / GIB:.2f} GiB left for the CUDA "
-        f"context ({how})."
-    )
+    return (f"Capped {gpu_name()} ({total / GIB:.1f} GiB) to {budget_gib:g} GiB: {(budget - context) / GIB:.2f} GiB "
+            f"for PyTorch's allocator ({fraction:.1%} of the card) and {context / GIB:.2f} GiB left for the CUDA "
+            f"context ({how}).")
 
 
 @dataclass(frozen=True)
@@ -184,36 +152,19 @@ class HardwareReport:
 
     def __str__(self) -> str:
         cc = f", cc {self.compute_capability[0]}.{self.compute_capability[1]}" if self.compute_capability else ""
-        return (
-            f"device={self.device} ({self.name}{cc}), memory {self.memory_bytes / GIB:.1f} GiB, "
-            f"bf16 native: {'yes' if self.bf16_native else 'no'}, profile={self.profile}"
-            + (", on Colab" if self.colab else "")
-        )
+        return (f"device={self.device} ({self.name}{cc}), memory {self.memory_bytes / GIB:.1f} GiB, "
+                f"bf16 native: {'yes' if self.bf16_native else 'no'}, profile={self.profile}"
+                + (", on Colab" if self.colab else ""))
 
 
 def hardware_report() -> HardwareReport:
     dev = device_type()
-    if dev == "cuda":
-        name = gpu_name() or "CUDA GPU"
-    elif dev == "mps":
-        name = "Apple GPU (MPS)"
-    else:
-        name = platform.processor() or platform.machine() or "CPU"
-        name = f"{name}, {os.cpu_count()} cores"
-    return HardwareReport(
-        device=dev,
-        name=name,
-        memory_bytes=total_memory_bytes(),
-        compute_capability=compute_capability(),
-        bf16_native=supports_bf16(),
-        colab=in_colab(),
-        profile=course_profile(),
-    )
+    name = {"cuda": gpu_name() or "CUDA GPU", "mps": "Apple GPU (MPS)"}.get(
+        dev, f"{platform.processor() or platform.machine() or 'CPU'}, {os.cpu_count()} cores")
+    return HardwareReport(device=dev, name=name, memory_bytes=total_memory_bytes(), compute_capability=compute_capability(),
+                          bf16_native=supports_bf16(), colab=in_colab(), profile=course_profile())
 
 
 def banner() -> str:
     """One line every notebook prints: device, memory, profile and library versions."""
-    report = hardware_report()
-    return (
-        f"[course] {report} | python {platform.python_version()}, torch {torch.__version__}"
-    )
+    return f"[course] {hardware_report()} | python {platform.python_version()}, torch {torch.__version__}"

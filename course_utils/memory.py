@@ -8,6 +8,7 @@ allocated peak is a lower bound of what a step needs.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .hardware import cuda_context_from_counters
+from .validation import byte_counts, callable_arg, positive_int
 from .units import GIB, MIB  # noqa: F401 - re-exported: notebooks import them from here
 
 try:  # private API: wrapped here so a change upstream breaks one file, with a clear message
@@ -29,15 +31,8 @@ else:
     _IMPORT_ERROR = None
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "other")
-_TRACKER_TO_CATEGORY = {
-    "Parameter": "params",
-    "Gradient": "grads",
-    "Optstate": "optimizer",
-    "Activation": "activations",
-    "Temp": "other",
-    "Buffer": "other",
-    "Other": "other",
-}
+_TRACKER_TO_CATEGORY = {"Parameter": "params", "Gradient": "grads", "Optstate": "optimizer", "Activation": "activations",
+                        "Temp": "other", "Buffer": "other", "Other": "other"}
 
 
 def format_bytes(n: float) -> str:
@@ -87,9 +82,8 @@ def iter_tensors(obj):
 
 def _state_tensors(optimizer) -> list[torch.Tensor]:
     if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(
-            f"optimizer must be a torch.optim.Optimizer (bitsandbytes' optimizers are), not {type(optimizer).__name__}."
-        )
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer (bitsandbytes' optimizers are), not "
+                        f"{type(optimizer).__name__}.")
     return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
 
 
@@ -140,43 +134,33 @@ class CudaCounters:
                 "reserved": self.memory_reserved()}
 
 
-def _byte_count(value, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name} must be a whole number of bytes >= 0, not {value!r}.")
-    return value
-
-
 def combine_allocator_counters(*, state_bytes: int, allocated_at_start: int, max_allocated: int,
                                reserved_at_start: int | None = None, max_reserved: int | None = None,
                                device_free: int | None = None, device_total: int | None = None,
                                reserved_now: int | None = None) -> dict[str, int | None]:
-    """One step's figures from the allocator's counters (pure arithmetic, tested with numbers)."""
-    state_bytes = _byte_count(state_bytes, "state_bytes")
-    start = _byte_count(allocated_at_start, "allocated_at_start")
-    top = _byte_count(max_allocated, "max_allocated")
-    if top < start:
-        raise ValueError(
-            f"max_allocated ({top}) is below allocated_at_start ({start}): reset the peak statistics "
-            "(reset_peak_memory_stats) at the start, and read max_memory_allocated() after fn."
-        )
-    fn_bytes = top - start
-    peak = state_bytes + fn_bytes
-    reserved_peak = None
+    """One step's figures from the allocator's counters (pure arithmetic): peak = state + (max_allocated -
+    allocated_at_start); the reserved peak never below it; the CUDA context. Optional figures None when unread."""
+    byte_counts(state_bytes=state_bytes, allocated_at_start=allocated_at_start, max_allocated=max_allocated)
+    if max_allocated < allocated_at_start:
+        raise ValueError(f"max_allocated ({max_allocated}) is below allocated_at_start ({allocated_at_start}): reset "
+                         "the peak statistics (reset_peak_memory_stats) at the start, and read max_memory_allocated() after fn.")
+    fn_bytes = max_allocated - allocated_at_start
+    peak, reserved_peak, context = state_bytes + fn_bytes, None, None
     if (reserved_at_start is None) != (max_reserved is None):
         raise ValueError("Pass both reserved_at_start and max_reserved, or neither.")
     if max_reserved is not None:
-        r_start = _byte_count(reserved_at_start, "reserved_at_start")
-        r_top = _byte_count(max_reserved, "max_reserved")
-        if r_top < r_start:
-            raise ValueError(f"max_reserved ({r_top}) is below reserved_at_start ({r_start}): read them in that order.")
-        reserved_peak = max(peak, state_bytes + r_top - r_start)
-    context = None
-    if device_free is not None or device_total is not None or reserved_now is not None:
-        if None in (device_free, device_total, reserved_now):
+        byte_counts(reserved_at_start=reserved_at_start, max_reserved=max_reserved)
+        if max_reserved < reserved_at_start:
+            raise ValueError(f"max_reserved ({max_reserved}) is below reserved_at_start ({reserved_at_start}): "
+                             "read them in that order.")
+        # free room in a segment that also holds older tensors can serve fn: the growth alone may read low
+        reserved_peak = max(peak, state_bytes + max_reserved - reserved_at_start)
+    readings = (device_free, device_total, reserved_now)
+    if readings != (None, None, None):
+        if None in readings:
             raise ValueError("Pass device_free, device_total and reserved_now together (mem_get_info() and memory_reserved()).")
-        context = cuda_context_from_counters(device_free, device_total, reserved_now)
-    return {"peak_bytes": peak, "fn_bytes": fn_bytes, "reserved_peak_bytes": reserved_peak,
-            "cuda_context_bytes": context}
+        context = cuda_context_from_counters(*readings)
+    return {"peak_bytes": peak, "fn_bytes": fn_bytes, "reserved_peak_bytes": reserved_peak, "cuda_context_bytes": context}
 
 
 @dataclass
@@ -195,13 +179,8 @@ class MemoryReport:
     cuda_context_bytes: int | None = None  # the card's use outside the allocator (CUDA; see combine_allocator_counters)
     allocator_readings: dict[str, int] | None = None  # the raw counters combine_allocator_counters combined (CUDA)
 
-    @property
-    def peak_mib(self) -> float:
-        return self.peak_bytes / MIB
-
-    @property
-    def peak_gib(self) -> float:
-        return self.peak_bytes / GIB
+    peak_mib = property(lambda self: self.peak_bytes / MIB)
+    peak_gib = property(lambda self: self.peak_bytes / GIB)
 
     @property
     def card_bytes(self) -> int | None:
@@ -215,44 +194,31 @@ class MemoryReport:
         import pandas as pd
 
         total = max(sum(self.by_category.values()), 1)
-        rows = [
-            {"category": k, "bytes": v, "MiB": v / MIB, "share": v / total}
-            for k, v in self.by_category.items()
-        ]
-        return pd.DataFrame(rows)
+        return pd.DataFrame([{"category": k, "bytes": v, "MiB": v / MIB, "share": v / total}
+                             for k, v in self.by_category.items()])
 
-    def _allocator_lines(self) -> list[str]:
-        lines = []
+    def _lines(self) -> list[str]:
+        total = max(sum(self.by_category.values()), 1)
+        lines = [f"  {c:<11}  {format_bytes(self.by_category.get(c, 0)):>12}  {self.by_category.get(c, 0) / total:6.1%}"
+                 for c in CATEGORIES]
         if self.reserved_peak_bytes is not None:
             lines.append(f"  reserved by the allocator at the peak: {format_bytes(self.reserved_peak_bytes)}")
         if self.cuda_context_bytes is not None:
             lines.append(f"  CUDA context (outside the allocator): {format_bytes(self.cuda_context_bytes)}")
-        return lines
+        return lines + [f"  note: {note}" for note in self.notes]
+
+    def _title(self) -> str:
+        return f"Peak memory on {self.device}{' (fake tensors)' if self.fake else ''}: {format_bytes(self.peak_bytes)}"
 
     def __str__(self) -> str:
-        width = max(len(c) for c in CATEGORIES)
-        total = max(sum(self.by_category.values()), 1)
-        lines = [f"Peak memory on {self.device}{' (fake tensors)' if self.fake else ''}: {format_bytes(self.peak_bytes)}"]
-        for cat in CATEGORIES:
-            value = self.by_category.get(cat, 0)
-            lines.append(f"  {cat:<{width}}  {format_bytes(value):>12}  {value / total:6.1%}")
-        lines += self._allocator_lines()
-        for note in self.notes:
-            lines.append(f"  note: {note}")
-        return "\n".join(lines)
+        return "\n".join([self._title()] + self._lines())
 
     __repr__ = __str__
 
     def _repr_html_(self) -> str:
-        rows = "".join(
-            f"<tr><td>{c}</td><td style='text-align:right'>{format_bytes(self.by_category.get(c, 0))}</td></tr>"
-            for c in CATEGORIES
-        )
-        extra = "".join(f"<br>{line.strip()}" for line in self._allocator_lines())
-        return (
-            f"<b>Peak memory on {self.device}{' (fake tensors)' if self.fake else ''}: "
-            f"{format_bytes(self.peak_bytes)}</b><table>{rows}</table>{extra}"
-        )
+        import html
+
+        return f"<pre><b>{html.escape(self._title())}</b>\n{html.escape(chr(10).join(self._lines()))}</pre>"
 
 
 class _MultiStepMemTracker(MemTracker if MemTracker is not None else object):
@@ -288,10 +254,8 @@ class _MultiStepMemTracker(MemTracker if MemTracker is not None else object):
 
 def _new_tracker():
     if MemTracker is None:  # pragma: no cover
-        raise RuntimeError(
-            f"This torch ({torch.__version__}) has no torch.distributed._tools.mem_tracker ({_IMPORT_ERROR}); "
-            "install the course's torch (requirements.txt)."
-        )
+        raise RuntimeError(f"This torch ({torch.__version__}) has no torch.distributed._tools.mem_tracker "
+                           f"({_IMPORT_ERROR}); install the course's torch (requirements.txt).")
     return _MultiStepMemTracker()
 
 
@@ -302,17 +266,12 @@ def _is_fake(t) -> bool:
 
 
 def _check_args(fn, model, optimizer, counters) -> None:
-    if not callable(fn):
-        raise TypeError(
-            f"fn must be a zero-argument callable (e.g. `lambda: train_step(batch)` or a def), "
-            f"not {type(fn).__name__}. Wrap the code you want to measure in a function."
-        )
+    callable_arg(fn, "fn", "a zero-argument callable (e.g. `lambda: train_step(batch)` or a def): wrap the code "
+                 "you want to measure in a function")
     if model is not None and not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module (or None), not {type(model).__name__}.")
-    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(
-            f"optimizer must be a torch.optim.Optimizer (bitsandbytes' optimizers are), not {type(optimizer).__name__}."
-        )
+    if optimizer is not None:
+        _state_tensors(optimizer)
     _check_counters(counters)
 
 
@@ -321,22 +280,16 @@ _COUNTER_METHODS = ("synchronize", "empty_cache", "reset_peak_memory_stats", "me
 
 
 def _check_counters(counters) -> None:
-    if counters is None:
-        return
-    missing = [m for m in _COUNTER_METHODS if not callable(getattr(counters, m, None))]
+    missing = [m for m in _COUNTER_METHODS if not callable(getattr(counters, m, None))] if counters is not None else []
     if missing:
-        raise TypeError(
-            f"counters must be a counter source such as memory.CudaCounters('cuda'); "
-            f"{type(counters).__name__} lacks {', '.join(missing)}."
-        )
+        raise TypeError(f"counters must be a counter source such as memory.CudaCounters('cuda'); "
+                        f"{type(counters).__name__} lacks {', '.join(missing)}.")
 
 
 def _model_device(model, optimizer) -> torch.device:
-    for params in ([p for p in model.parameters()] if model is not None else [],
-                   [p for g in optimizer.param_groups for p in g["params"]] if optimizer is not None else []):
-        if params:
-            return params[0].device
-    return torch.device("cpu")
+    params = list(model.parameters()) if model is not None else []
+    params += [p for g in optimizer.param_groups for p in g["params"]] if optimizer is not None else []
+    return params[0].device if params else torch.device("cpu")
 
 
 def measure_memory(fn, *, model: nn.Module | None = None, optimizer=None, counters=None) -> MemoryReport:
@@ -364,24 +317,20 @@ def measure_memory(fn, *, model: nn.Module | None = None, optimizer=None, counte
         counters.synchronize()
     seconds = time.perf_counter() - start
 
-    snapshots = tracker.get_tracker_snapshot("peak")
-    dev_snap = _pick_device_snapshot(snapshots, device)
+    dev_snap = _pick_device_snapshot(tracker.get_tracker_snapshot("peak"), device)
     by_category = dict.fromkeys(CATEGORIES, 0)
     for key, value in dev_snap.items():
-        name = getattr(key, "value", key)
-        if name in _TRACKER_TO_CATEGORY:
-            by_category[_TRACKER_TO_CATEGORY[name]] += int(value)
+        if getattr(key, "value", key) in _TRACKER_TO_CATEGORY:
+            by_category[_TRACKER_TO_CATEGORY[getattr(key, "value", key)]] += int(value)
     tracked_peak = int(dev_snap.get("Total", sum(by_category.values())))
 
-    # Tensors allocated inside optimizer.step() are tagged as optimizer state by MemTracker,
-    # including the step's temporaries (foreach Adam builds whole-model scratch tensors).
-    # Keep as "optimizer" no more than the state the optimizer really holds; the rest is "other".
+    # MemTracker tags all that optimizer.step() allocates as optimizer state, the step's temporaries included
+    # (foreach Adam's whole-model scratch): keep as "optimizer" only the state the optimizer holds.
     state_bytes = optimizer_state_bytes(optimizer) if optimizer is not None else 0
     notes = []
     if optimizer is not None and by_category["optimizer"] > state_bytes:
         extra = by_category["optimizer"] - state_bytes
-        by_category["optimizer"] = state_bytes
-        by_category["other"] += extra
+        by_category["optimizer"], by_category["other"] = state_bytes, by_category["other"] + extra
         notes.append(f"{format_bytes(extra)} of optimizer-step temporaries counted as 'other'")
 
     figures = {"peak_bytes": tracked_peak, "reserved_peak_bytes": None, "cuda_context_bytes": None}
@@ -394,55 +343,36 @@ def measure_memory(fn, *, model: nn.Module | None = None, optimizer=None, counte
         figures = combine_allocator_counters(state_bytes=state_at_start, **readings)
         notes.append(f"peak from the caching allocator's counters (state + what fn added); "
                      f"tensor tracking saw {format_bytes(tracked_peak)}")
-    return MemoryReport(
-        peak_bytes=figures["peak_bytes"],
-        by_category=by_category,
-        device=str(device),
-        seconds=seconds,
-        optimizer_state_bytes=state_bytes,
-        tracked_peak_bytes=tracked_peak,
-        fake=fake,
-        notes=notes,
-        reserved_peak_bytes=figures["reserved_peak_bytes"],
-        cuda_context_bytes=figures["cuda_context_bytes"],
-        allocator_readings=readings,
-    )
+    return MemoryReport(peak_bytes=figures["peak_bytes"], by_category=by_category, device=str(device), seconds=seconds,
+                        optimizer_state_bytes=state_bytes, tracked_peak_bytes=tracked_peak, fake=fake, notes=notes,
+                        reserved_peak_bytes=figures["reserved_peak_bytes"],
+                        cuda_context_bytes=figures["cuda_context_bytes"], allocator_readings=readings)
 
 
 def _pick_device_snapshot(snapshots: dict, device: torch.device) -> dict:
-    if not snapshots:
-        return {}
-    for dev, snap in snapshots.items():
-        if torch.device(dev).type == device.type:
-            return snap
+    same = [snap for dev, snap in snapshots.items() if torch.device(dev).type == device.type]
     # fn worked on another device than the model's (or no model): take the busiest one
-    return max(snapshots.values(), key=lambda s: s.get("Total", 0))
+    return same[0] if same else max(snapshots.values(), key=lambda s: s.get("Total", 0), default={})
 
 
 def live_bytes_over_steps(step: Callable[[int], object], n_steps: int, *, device=None, counters=None) -> list[int]:
     """Run ``step(i)`` for i in range(n_steps); return the bytes the steps created and still hold after each step
     (flat: no leak). Allocator counters on CUDA, else storages tracked until freed."""
-    if not callable(step):
-        raise TypeError(f"step must be a function of the step index, e.g. `def step(i): ...`, not {type(step).__name__}.")
-    if isinstance(n_steps, bool) or not isinstance(n_steps, int) or n_steps <= 0:
-        raise ValueError(f"n_steps must be a positive integer, not {n_steps!r}.")
+    callable_arg(step, "step", "a function of the step index, e.g. `def step(i): ...`")
+    positive_int(n_steps, "n_steps")
     _check_counters(counters)
     if counters is None and device is not None and torch.device(device).type == "cuda" and torch.cuda.is_available():
         counters = CudaCounters(device)
-    series = []
+    series, tracker = [], _LiveBytes() if counters is None else None
     if counters is not None:
         counters.synchronize()
         base = counters.memory_allocated()
+    with tracker or contextlib.nullcontext():
         for i in range(n_steps):
             step(i)
-            counters.synchronize()
-            series.append(counters.memory_allocated() - base)
-        return series
-    tracker = _LiveBytes()
-    with tracker:
-        for i in range(n_steps):
-            step(i)
-            series.append(tracker.current)
+            if counters is not None:
+                counters.synchronize()
+            series.append(counters.memory_allocated() - base if counters is not None else tracker.current)
     return series
 
 
@@ -454,9 +384,7 @@ class _LiveBytes:
         from torch.utils._python_dispatch import TorchDispatchMode
         from torch.utils._pytree import tree_flatten
 
-        tracker = self
-        self.current = 0
-        self._live: dict[int, int] = {}
+        tracker, self.current, self._live = self, 0, {}
 
         class _Mode(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -477,13 +405,11 @@ class _LiveBytes:
         return self._mode.__exit__(*exc)
 
     def _add(self, t: torch.Tensor) -> None:
-        key = storage_key(t)
-        if key in self._live:
-            return
-        storage = t.untyped_storage()
-        self._live[key] = storage.nbytes()
-        self.current += storage.nbytes()
-        weakref.finalize(storage, self._free, key)
+        key, storage = storage_key(t), t.untyped_storage()
+        if key not in self._live:
+            self._live[key] = storage.nbytes()
+            self.current += storage.nbytes()
+            weakref.finalize(storage, self._free, key)
 
     def _free(self, key: int) -> None:
         self.current -= self._live.pop(key, 0)

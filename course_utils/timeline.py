@@ -10,21 +10,19 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
-from .memory import CATEGORIES
+from .memory import _TRACKER_TO_CATEGORY, CATEGORIES, _check_args, _new_tracker, _MultiStepMemTracker
 from .units import GIB, KIB, MIB
 
 try:  # private API, as in memory.py; tests/test_timeline.py pins what is used of it
-    from torch.distributed._tools.mem_tracker import MemTracker, _UpdateType
-except ImportError as _err:  # pragma: no cover
-    MemTracker, _UpdateType, _IMPORT_ERROR = object, None, _err
-else:
-    _IMPORT_ERROR = None
+    from torch.distributed._tools.mem_tracker import _UpdateType
+except ImportError:  # pragma: no cover
+    _UpdateType = None
 
-_CATEGORY = {"Parameter": "params", "Gradient": "grads", "Optstate": "optimizer", "Activation": "activations"}
+_category = lambda reftype: _TRACKER_TO_CATEGORY.get(getattr(reftype, "value", None), "other")  # noqa: E731
 _SHADES = {"start": "#f2f2f2", "forward": "#e8f0fb", "backward": "#fbeee8", "optimizer": "#eaf6ea"}
 
 
-class _Recorder(MemTracker):
+class _Recorder(_MultiStepMemTracker):
     """MemTracker that writes down every change to its running total, with category, phase and device."""
 
     def __init__(self):
@@ -45,23 +43,17 @@ class _Recorder(MemTracker):
         if not self.recording:
             return
         key = winfo.__dict__.setdefault("course_key", next(self._serial))
-        cat = _CATEGORY.get(getattr(winfo.reftype, "value", None), "other")
+        cat = _category(winfo.reftype)
         row = (key, winfo.mem_consumed, cat, cat, self._phase(), str(winfo.device))
         if u_type == _UpdateType.REF:  # same bytes, new category (a backward temporary becomes a gradient)
-            self.events.append(("move", *row[:3], _CATEGORY.get(getattr(old_reftype, "value", None), "other"), *row[4:]))
+            self.events.append(("move", *row[:3], _category(old_reftype), *row[4:]))
         if u_type == _UpdateType.SIZE:  # a resized storage: the old size freed, the new one allocated
             self.events.append(("free", key, old_mem_consumed, *row[2:]))
         if u_type in (_UpdateType.ADD, _UpdateType.DEL, _UpdateType.SIZE):
             self.events.append(("free" if u_type == _UpdateType.DEL else "alloc", *row))
 
     def _update_peak_stats(self, peak_state) -> None:
-        pass  # the timeline finds its own peak: skip MemTracker's per-module peaks (O(modules) per op)
-
-    def _pre_fw_hook(self, module, inputs) -> None:
-        if module in self.memory_tracking and not self._mod_tracker.is_bw and \
-                set(self._mod_tracker.parents) - {self._mod_tracker.get_known_fqn(module)} == {"Global"}:
-            self.memory_tracking.clear()  # the root module's forward again: a second step, not an error
-        super()._pre_fw_hook(module, inputs)
+        pass  # the timeline finds its own peak
 
 
 @dataclass
@@ -109,14 +101,8 @@ class Timeline:
 
 def record_timeline(fn, *, model: nn.Module | None = None, optimizer=None) -> Timeline:
     """Run ``fn()`` and record every allocation and free, by category and phase."""
-    if not callable(fn):
-        raise TypeError(f"fn must be a zero-argument callable (e.g. `lambda: train_step()`), not {type(fn).__name__}.")
-    if model is not None and not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module (or None), not {type(model).__name__}.")
-    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"optimizer must be a torch.optim.Optimizer (or None), not {type(optimizer).__name__}.")
-    if _IMPORT_ERROR is not None:  # pragma: no cover
-        raise RuntimeError(f"This torch ({torch.__version__}) has no MemTracker ({_IMPORT_ERROR}); install the course's torch.")
+    _check_args(fn, model, optimizer, None)
+    _new_tracker()  # says which torch to install when MemTracker is missing
     import pandas as pd
 
     recorder = _Recorder()

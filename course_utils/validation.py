@@ -1,8 +1,5 @@
-"""Argument checks shared by every course_utils module.
-
-Each raises ``TypeError`` for the wrong kind of value and ``ValueError`` for a value out of range,
-with a message that names the argument and, through ``hint``, says what to pass instead.
-"""
+"""Argument checks shared by every course_utils module: ``TypeError`` for the wrong kind of value, ``ValueError``
+for one out of range, with a message that names the argument and, through ``hint``, says what to pass instead."""
 from __future__ import annotations
 
 import math
@@ -12,15 +9,29 @@ def _hint(hint: str) -> str:
     return f" ({hint})" if hint else ""
 
 
-def positive_int(value, what: str, hint: str = "", *, whole_floats: bool = False) -> int:
-    """``value`` as an int > 0. With ``whole_floats=True`` a float such as 8.0 is accepted too."""
+def positive_int(value, what: str, hint: str = "", *, whole_floats: bool = False, allow_zero: bool = False) -> int:
+    """``value`` as an int > 0 (>= 0 with ``allow_zero``). With ``whole_floats=True`` 8.0 is accepted too."""
     is_int = isinstance(value, int) and not isinstance(value, bool)
     is_whole_float = whole_floats and isinstance(value, float) and value.is_integer()
     if not (is_int or is_whole_float):
         raise TypeError(f"{what} must be a whole number{_hint(hint)}, not {value!r}.")
-    if value <= 0:
-        raise ValueError(f"{what} must be positive{_hint(hint)}, got {value}.")
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ValueError(f"{what} must be {'>= 0' if allow_zero else 'positive'}{_hint(hint)}, got {value}.")
     return int(value)
+
+
+def byte_counts(**named) -> None:
+    """Each keyword's value must be a whole number of bytes >= 0 (ValueError otherwise)."""
+    for name, value in named.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be a whole number of bytes >= 0, not {value!r}.")
+
+
+def callable_arg(fn, what: str = "fn", hint: str = "a zero-argument callable, e.g. `lambda: step(batch)`"):
+    """``fn`` if it is callable."""
+    if not callable(fn):
+        raise TypeError(f"{what} must be {hint}, not {type(fn).__name__}.")
+    return fn
 
 
 def positive_number(value, what: str, hint: str = "", *, allow_zero: bool = False) -> float:

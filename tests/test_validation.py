@@ -42,3 +42,15 @@ def test_float_tensor():
         float_tensor(torch.ones(3, dtype=torch.long), "grad")
     with pytest.raises(ValueError, match="grad is empty"):
         float_tensor(torch.ones(0), "grad")
+
+
+def test_positive_int_allow_zero_and_callable_arg():
+    from course_utils.validation import callable_arg
+
+    assert positive_int(0, "warmup", allow_zero=True) == 0
+    with pytest.raises(ValueError, match="warmup must be >= 0"):
+        positive_int(-1, "warmup", allow_zero=True)
+    f = lambda: None  # noqa: E731
+    assert callable_arg(f) is f
+    with pytest.raises(TypeError, match="fn must be a zero-argument callable"):
+        callable_arg(3)
