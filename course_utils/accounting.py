@@ -13,37 +13,22 @@ from torch import nn
 
 from .memory import iter_tensors
 from .units import MIB
+from .validation import callable_arg, positive_int, positive_number
 
 
+# tool -> (command, or None for an interactive tool that is only located; what it shows)
 MONITOR_TOOLS = {
-    "nvidia-smi": dict(
-        command=["nvidia-smi", "--query-gpu=index,name,memory.used,memory.total,utilization.gpu",
-                 "--format=csv"],
-        interactive=False,
-        explains=(
-            "nvidia-smi (ships with the NVIDIA driver) lists each GPU with its memory used / total and "
-            "utilization, and the processes holding memory. Its 'used' is what the driver handed out: "
-            "PyTorch's caching allocator's reserved blocks plus the CUDA context (a few hundred MiB), "
-            "so it reads higher than torch.cuda.memory_allocated()."
-        ),
-    ),
-    "gpustat": dict(
-        command=["gpustat", "-cpu", "--no-color"],
-        interactive=False,
-        explains=(
-            "gpustat (pip install gpustat) prints one line per GPU: temperature, utilization, memory used/total, "
-            "and with -cpu each process's command, PID and user. `watch --color -n1 gpustat -cpu` refreshes it "
-            "every second while you train."
-        ),
-    ),
-    "nvtop": dict(
-        command=None,
-        interactive=True,
-        explains=(
-            "nvtop (apt install nvtop) is an interactive, htop-like terminal monitor: live plots of GPU "
-            "utilization and memory per device and a process list. Run it in a terminal, not in a notebook."
-        ),
-    ),
+    "nvidia-smi": (["nvidia-smi", "--query-gpu=index,name,memory.used,memory.total,utilization.gpu", "--format=csv"],
+                   "nvidia-smi (ships with the NVIDIA driver) lists each GPU with its memory used / total and "
+                   "utilization, and the processes holding memory. Its 'used' is what the driver handed out: "
+                   "PyTorch's caching allocator's reserved blocks plus the CUDA context (a few hundred MiB), "
+                   "so it reads higher than torch.cuda.memory_allocated()."),
+    "gpustat": (["gpustat", "-cpu", "--no-color"],
+                "gpustat (pip install gpustat) prints one line per GPU: temperature, utilization, memory used/total, "
+                "and with -cpu each process's command, PID and user. `watch --color -n1 gpustat -cpu` refreshes it "
+                "every second while you train."),
+    "nvtop": (None, "nvtop (apt install nvtop) is an interactive, htop-like terminal monitor: live plots of GPU "
+                    "utilization and memory per device and a process list. Run it in a terminal, not in a notebook."),
 }
 
 
@@ -63,32 +48,27 @@ class ToolReport:
 def gpu_monitor(tools: Iterable[str] = ("nvidia-smi", "gpustat", "nvtop"), *, timeout_s: float = 10.0,
                 run: bool = True) -> list[ToolReport]:
     """Run the GPU monitors that are installed; for the others, say what they would show."""
-    if isinstance(tools, str):
-        tools = (tools,)
-    tools = list(tools)
+    tools = [tools] if isinstance(tools, str) else list(tools)
     unknown = [t for t in tools if t not in MONITOR_TOOLS]
     if unknown or not tools:
         raise ValueError(f"Unknown or no monitoring tool(s) {unknown}; choose from {sorted(MONITOR_TOOLS)}.")
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
-        raise ValueError(f"timeout_s must be a positive number of seconds, not {timeout_s!r}.")
+    positive_number(timeout_s, "timeout_s", "seconds")
     reports = []
     for tool in tools:
-        info = MONITOR_TOOLS[tool]
-        path = shutil.which(tool)
-        if path is None:
-            reports.append(ToolReport(tool, False, "Would show: " + info["explains"]))
+        command, explains = MONITOR_TOOLS[tool]
+        if shutil.which(tool) is None:
+            reports.append(ToolReport(tool, False, "Would show: " + explains))
             continue
-        if info["interactive"] or not run:
-            reports.append(ToolReport(tool, True, f"Installed. {info['explains']}"))
+        if command is None or not run:
+            reports.append(ToolReport(tool, True, f"Installed. {explains}"))
             continue
         try:
-            done = subprocess.run(info["command"], capture_output=True, text=True, timeout=timeout_s)
+            done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
             text = (done.stdout or "").strip()
             if done.returncode != 0:
-                text = (f"exited with status {done.returncode}: {(done.stderr or text).strip()[:500]}\n"
-                        f"Would show: {info['explains']}")
+                text = f"exited with status {done.returncode}: {(done.stderr or text).strip()[:500]}\nWould show: {explains}"
         except (OSError, subprocess.SubprocessError) as err:
-            text = f"could not run ({type(err).__name__}: {err}).\nWould show: {info['explains']}"
+            text = f"could not run ({type(err).__name__}: {err}).\nWould show: {explains}"
         reports.append(ToolReport(tool, True, text))
     return reports
 
@@ -122,25 +102,16 @@ class ModelSize:
         return 2 * self.outputs_bytes
 
 
-def _check_type_size(type_size) -> int:
-    if isinstance(type_size, bool) or not isinstance(type_size, int) or type_size <= 0:
-        raise ValueError(f"type_size must be a positive number of bytes per element (4 for fp32), not {type_size!r}.")
-    return type_size
-
-
 def modelsize(model: nn.Module, input: torch.Tensor, type_size: int = 4) -> ModelSize:
     """The article's ``modelsize()``: feed ``input`` through ``model.modules()`` one after the other."""
     if not isinstance(model, nn.Sequential):
-        raise TypeError(
-            f"modelsize() chains model.modules() in order, which only works for an nn.Sequential, not "
-            f"{type(model).__name__}; use module_output_bytes(model, input) for other models."
-        )
+        raise TypeError(f"modelsize() chains model.modules() in order, which only works for an nn.Sequential, not "
+                        f"{type(model).__name__}; use module_output_bytes(model, input) for other models.")
     if not isinstance(input, torch.Tensor):
         raise TypeError(f"input must be an example batch (a tensor), not {type(input).__name__}.")
-    type_size = _check_type_size(type_size)
-    n_params = sum(p.numel() for p in model.parameters())
-    total, count = 0, 0
-    x = input.detach().clone()
+    if isinstance(type_size, bool) or not isinstance(type_size, int) or type_size <= 0:
+        raise ValueError(f"type_size must be a positive number of bytes per element (4 for fp32), not {type_size!r}.")
+    n_params, total, count, x = sum(p.numel() for p in model.parameters()), 0, 0, input.detach().clone()
     with torch.no_grad():
         for m in list(model.modules())[1:]:
             if isinstance(m, nn.Sequential):
@@ -203,9 +174,7 @@ def _peak_of(result) -> int:
     if hasattr(result, "peak_bytes"):
         result = result.peak_bytes
     if isinstance(result, bool) or not isinstance(result, (int, float)) or result < 0:
-        raise TypeError(
-            f"peak(batch) must return a MemoryReport or a number of bytes >= 0, not {result!r}."
-        )
+        raise TypeError(f"peak(batch) must return a MemoryReport or a number of bytes >= 0, not {result!r}.")
     return int(result)
 
 
@@ -213,11 +182,9 @@ def largest_batch_that_fits(peak: Callable[[int], object], budget_bytes: int, *,
                             max_batch: int = 1 << 20) -> BatchSearch:
     """Largest batch size whose measured peak (``peak(batch)``: a MemoryReport or bytes; OOM = does not fit) stays
     within ``budget_bytes``: doubling, then line-guesses alternating with bisection (peak grows with the batch)."""
-    if not callable(peak):
-        raise TypeError(f"peak must be a function batch -> MemoryReport or bytes, not {type(peak).__name__}.")
+    callable_arg(peak, "peak", "a function batch -> MemoryReport or bytes")
     for name, value in (("budget_bytes", budget_bytes), ("start", start), ("max_batch", max_batch)):
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{name} must be a positive integer, not {value!r}.")
+        positive_int(value, name)
     if start > max_batch:
         raise ValueError(f"start ({start}) must not exceed max_batch ({max_batch}).")
     tried: dict[int, int | None] = {}
@@ -233,21 +200,15 @@ def largest_batch_that_fits(peak: Callable[[int], object], budget_bytes: int, *,
         return tried[b] is not None and tried[b] <= budget_bytes
 
     if not fits(start):
-        measured = tried[start]
-        raise ValueError(
-            f"Even batch {start} does not fit in {budget_bytes / MIB:.1f} MiB (it needs "
-            f"{'more than the device has' if measured is None else f'{measured / MIB:.1f} MiB'}): "
-            "raise the budget, or shrink the model (fewer/narrower layers, a smaller dtype)."
-        )
+        needs = "more than the device has" if tried[start] is None else f"{tried[start] / MIB:.1f} MiB"
+        raise ValueError(f"Even batch {start} does not fit in {budget_bytes / MIB:.1f} MiB (it needs {needs}): "
+                         "raise the budget, or shrink the model (fewer/narrower layers, a smaller dtype).")
     good, bad = start, None
     while bad is None:
         nxt = min(good * 2, max_batch)
         if nxt == good:
             break
-        if fits(nxt):
-            good = nxt
-        else:
-            bad = nxt
+        good, bad = (nxt, None) if fits(nxt) else (good, nxt)
     interpolate = True
     while bad is not None and bad - good > 1:
         p_good, p_bad = tried[good], tried[bad]
@@ -266,10 +227,7 @@ def largest_batch_that_fits(peak: Callable[[int], object], budget_bytes: int, *,
                     good = guess - 1
         else:  # bisection: guarantees progress where the line is a poor guide (or out of memory)
             mid = (good + bad) // 2
-            if fits(mid):
-                good = mid
-            else:
-                bad = mid
+            good, bad = (mid, bad) if fits(mid) else (good, mid)
         interpolate = not interpolate
     return BatchSearch(batch=good, peak_bytes=tried[good], budget_bytes=budget_bytes, tried=tried)
 
@@ -302,10 +260,7 @@ def plot_quick_wins(frame, ax=None, title: str = "Quick wins: peak memory before
         raise ValueError(f"frame must come from quick_wins_frame() (columns {sorted(needed)}).")
     long = frame.melt(id_vars="quick win", value_vars=["before_MiB", "after_MiB"], var_name="when", value_name="MiB")
     long["when"] = long["when"].str.replace("_MiB", "")
-    if ax is None:
-        _, ax = plt.subplots(figsize=(8, 0.55 * len(frame) + 1.5))
+    ax = ax or plt.subplots(figsize=(8, 0.55 * len(frame) + 1.5))[1]
     sns.barplot(data=long, y="quick win", x="MiB", hue="when", ax=ax, palette=["#C44E52", "#55A868"])
-    ax.set_xlabel("peak memory (MiB)")
-    ax.set_ylabel("")
-    ax.set_title(title)
+    ax.set(xlabel="peak memory (MiB)", ylabel="", title=title)
     return ax

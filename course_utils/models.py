@@ -12,12 +12,8 @@ from torch import nn
 ATTENTION = {"math": "eager", "fused": "sdpa"}  # the course's name -> transformers' attn_implementation
 
 # The real GPT-2 family configs (Radford et al. 2019; Hugging Face's gpt2, gpt2-medium, -large, -xl).
-GPT2_SIZES = {
-    "gpt2": dict(n_layer=12, n_embd=768, n_head=12),
-    "gpt2-medium": dict(n_layer=24, n_embd=1024, n_head=16),
-    "gpt2-large": dict(n_layer=36, n_embd=1280, n_head=20),
-    "gpt2-xl": dict(n_layer=48, n_embd=1600, n_head=25),
-}
+GPT2_SIZES = {"gpt2": dict(n_layer=12, n_embd=768, n_head=12), "gpt2-medium": dict(n_layer=24, n_embd=1024, n_head=16),
+              "gpt2-large": dict(n_layer=36, n_embd=1280, n_head=20), "gpt2-xl": dict(n_layer=48, n_embd=1600, n_head=25)}
 GPT2_XL_PARAMS = 1_557_611_200  # tied input/output embedding counted once
 
 
@@ -27,16 +23,18 @@ def gpt2_config(name: str = "gpt2-xl", **overrides):
 
     if name not in GPT2_SIZES:
         raise ValueError(f"Unknown GPT-2 size {name!r}; choose one of {sorted(GPT2_SIZES)}.")
-    for key in ("n_layer", "n_embd", "n_head", "vocab_size", "n_positions"):
-        value = overrides.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
-            raise ValueError(f"{key} must be a positive integer, got {value!r}.")
+    _positive_ints(**{k: overrides[k] for k in ("n_layer", "n_embd", "n_head", "vocab_size", "n_positions")
+                      if overrides.get(k) is not None})
     settings = {**GPT2_SIZES[name], **overrides}
-    vocab = settings.get("vocab_size", 50257)
     # GPT-2's <|endoftext|> is token 50256; a smaller test vocabulary needs an id inside it
-    settings.setdefault("bos_token_id", min(50256, vocab - 1))
-    settings.setdefault("eos_token_id", min(50256, vocab - 1))
-    return GPT2Config(**settings)
+    end = min(50256, settings.get("vocab_size", 50257) - 1)
+    return GPT2Config(**{"bos_token_id": end, "eos_token_id": end, **settings})
+
+
+def _positive_ints(**named) -> None:
+    for name, value in named.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}.")
 
 
 @contextlib.contextmanager
@@ -89,9 +87,7 @@ def as_on_cuda():
     dropout, sdpa = functional.dropout, functional.scaled_dot_product_attention
 
     def attention(query, key, value, *args, **kwargs):
-        if _is_fake(query):
-            return _fused_attention(query, key, value, *args, **kwargs)
-        return sdpa(query, key, value, *args, **kwargs)
+        return (_fused_attention if _is_fake(query) else sdpa)(query, key, value, *args, **kwargs)
 
     functional.dropout, functional.scaled_dot_product_attention = _native_dropout, attention
     try:
@@ -107,9 +103,7 @@ def _is_fake(t) -> bool:
 
 
 def _native_dropout(input, p=0.5, training=True, inplace=False):
-    if not training or p == 0:
-        return input
-    return torch.native_dropout(input, p, True)[0]
+    return torch.native_dropout(input, p, True)[0] if training and p != 0 else input
 
 
 def _fused_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
@@ -130,13 +124,6 @@ def _fused_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal
 
 def mlp(n_layers: int = 4, width: int = 512, in_features: int = 784, n_classes: int = 10) -> nn.Sequential:
     """The course's MLP: Flatten, then ``n_layers`` Linear+ReLU blocks, then a classifier."""
-    for name, value in (("n_layers", n_layers), ("width", width), ("in_features", in_features), ("n_classes", n_classes)):
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}.")
-    layers: list[nn.Module] = [nn.Flatten()]
-    features = in_features
-    for _ in range(n_layers):
-        layers += [nn.Linear(features, width), nn.ReLU()]
-        features = width
-    layers.append(nn.Linear(features, n_classes))
-    return nn.Sequential(*layers)
+    _positive_ints(n_layers=n_layers, width=width, in_features=in_features, n_classes=n_classes)
+    blocks = [m for i in range(n_layers) for m in (nn.Linear(in_features if i == 0 else width, width), nn.ReLU())]
+    return nn.Sequential(nn.Flatten(), *blocks, nn.Linear(width, n_classes))

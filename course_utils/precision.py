@@ -10,7 +10,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .validation import float_tensor
+from .validation import callable_arg, float_tensor, positive_number
 
 FORMATS = ("fp32", "tf32", "fp16", "bf16")
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -34,20 +34,11 @@ def format_facts(fmt: str) -> dict:
         raise ValueError(f"Unknown format {fmt!r}; choose one of {FORMATS}.")
     fmt = fmt.lower()
     sign, exp, man = _LAYOUT[fmt]
-    info = torch.finfo(torch.float32 if fmt == "tf32" else _DTYPES[fmt])
-    eps = 2.0 ** -man  # tf32 keeps fp32's exponent, fp16's 10 mantissa bits
-    return {
-        "format": fmt,
-        "bits": sign + exp + man,
-        "exponent_bits": exp,
-        "mantissa_bits": man,
-        "max": float(info.max),
-        "smallest_normal": float(info.smallest_normal),
-        "smallest_subnormal": float(info.smallest_normal) * 2.0 ** -man,
-        "eps": eps,
-        "decimal_digits": round(math.log10(2.0 ** (man + 1)), 1),
-        "bytes_in_memory": 4 if fmt in ("fp32", "tf32") else 2,
-    }
+    info = torch.finfo(torch.float32 if fmt == "tf32" else _DTYPES[fmt])  # tf32: fp32's exponent, 10 mantissa bits
+    return {"format": fmt, "bits": sign + exp + man, "exponent_bits": exp, "mantissa_bits": man, "max": float(info.max),
+            "smallest_normal": float(info.smallest_normal), "smallest_subnormal": float(info.smallest_normal) * 2.0 ** -man,
+            "eps": 2.0 ** -man, "decimal_digits": round(math.log10(2.0 ** (man + 1)), 1),
+            "bytes_in_memory": 4 if fmt in ("fp32", "tf32") else 2}
 
 
 def format_table(formats=FORMATS):
@@ -67,8 +58,7 @@ def plot_ranges(formats=FORMATS, *, ax=None, mark: dict | None = None):
     table = format_table(formats)
     if mark is not None and not isinstance(mark, dict):
         raise TypeError("mark must be a dict {label: value}, e.g. {'1e-8': 1e-8}.")
-    if ax is None:
-        _, ax = plt.subplots(figsize=(8, 0.6 + 0.6 * len(table)))
+    ax = ax or plt.subplots(figsize=(8, 0.6 + 0.6 * len(table)))[1]
     colors = sns.color_palette("deep", len(table))
     for i, (name, row) in enumerate(table.iterrows()):
         lo_sub, lo, hi = (math.log10(row[c]) for c in ("smallest_subnormal", "smallest_normal", "max"))
@@ -79,21 +69,20 @@ def plot_ranges(formats=FORMATS, *, ax=None, mark: dict | None = None):
         ax.axvline(math.log10(value), color="black", ls=style, lw=1, label=label)
     ax.set_yticks(range(len(table)), table.index)
     ax.invert_yaxis()
-    ax.set_xlabel("log10 of |value| (representable range)")
-    ax.set_title("Representable magnitudes per format")
+    ax.set(xlabel="log10 of |value| (representable range)", title="Representable magnitudes per format")
     ax.legend(loc="lower left", fontsize=8)
     return ax
 
 
-def _check_scale(scale) -> float:
+def _scaled(tensor, scale) -> torch.Tensor:
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (scale > 0 and math.isfinite(scale)):
         raise ValueError(f"scale must be a positive finite number such as 1024, not {scale!r}.")
-    return float(scale)
+    return float_tensor(tensor, "tensor", "a gradient").detach().double().flatten() * scale
 
 
 def underflow_fraction(tensor: torch.Tensor, dtype, *, scale: float = 1.0) -> float:
     """Share of the non-zero values of ``tensor * scale`` that become exactly 0 when cast to ``dtype``."""
-    t = float_tensor(tensor, "tensor", "a gradient").detach().double().flatten() * _check_scale(scale)
+    t = _scaled(tensor, scale)
     nonzero = t[(t != 0) & torch.isfinite(t)]
     if nonzero.numel() == 0:
         raise ValueError("tensor has no non-zero finite values; run a backward pass first.")
@@ -102,7 +91,7 @@ def underflow_fraction(tensor: torch.Tensor, dtype, *, scale: float = 1.0) -> fl
 
 def overflow_fraction(tensor: torch.Tensor, dtype, *, scale: float = 1.0) -> float:
     """Share of the finite values of ``tensor * scale`` that become inf when cast to ``dtype``."""
-    t = float_tensor(tensor, "tensor", "a gradient").detach().double().flatten() * _check_scale(scale)
+    t = _scaled(tensor, scale)
     finite = t[torch.isfinite(t)]
     if finite.numel() == 0:
         raise ValueError("tensor has no finite values.")
@@ -123,19 +112,12 @@ def _op_zoo():
     import torch.nn.functional as F
 
     target = lambda x: torch.zeros(x.shape[0], dtype=torch.long, device=x.device)  # noqa: E731
-    return {
-        "matmul (x @ w)": lambda x, w: x @ w,
-        "linear": lambda x, w: F.linear(x, w),
-        "relu": lambda x, w: F.relu(x),
-        "gelu": lambda x, w: F.gelu(x),
-        "softmax": lambda x, w: torch.softmax(x, -1),
-        "log_softmax": lambda x, w: F.log_softmax(x, -1),
-        "layer_norm": lambda x, w: F.layer_norm(x, x.shape[-1:]),
-        "exp": lambda x, w: x.exp(),
-        "sum": lambda x, w: x.sum(),
-        "cross_entropy": lambda x, w: F.cross_entropy(x, target(x)),
-        "mse_loss": lambda x, w: F.mse_loss(x, x.detach() * 2),
-    }
+    return {"matmul (x @ w)": lambda x, w: x @ w, "linear": lambda x, w: F.linear(x, w), "relu": lambda x, w: F.relu(x),
+            "gelu": lambda x, w: F.gelu(x), "softmax": lambda x, w: torch.softmax(x, -1),
+            "log_softmax": lambda x, w: F.log_softmax(x, -1), "layer_norm": lambda x, w: F.layer_norm(x, x.shape[-1:]),
+            "exp": lambda x, w: x.exp(), "sum": lambda x, w: x.sum(),
+            "cross_entropy": lambda x, w: F.cross_entropy(x, target(x)),
+            "mse_loss": lambda x, w: F.mse_loss(x, x.detach() * 2)}
 
 
 def autocast_op_table(device_type: str, dtype=torch.bfloat16):
@@ -173,21 +155,16 @@ class ScaleLog:
             raise TypeError(f"ScaleLog needs a torch.amp.GradScaler, not {type(scaler).__name__}.")
         if not scaler.is_enabled():
             raise ValueError("This GradScaler is disabled (enabled=False): it has no scale to record.")
-        self.scaler = scaler
-        self.scales: list[float] = []
-        self.skipped: list[bool] = []
-        self.losses: list[float] = []
-        self._last = float(scaler.get_scale())
-        self.init_scale = self._last
+        self.scaler, self.scales, self.skipped, self.losses = scaler, [], [], []
+        self._last = self.init_scale = float(scaler.get_scale())
 
     def update(self, loss=None) -> bool:
         """Call right after ``scaler.update()``; returns True if this step was skipped."""
         scale = float(self.scaler.get_scale())
-        skipped = scale < self._last
+        skipped, self._last = scale < self._last, scale
         self.scales.append(scale)
         self.skipped.append(skipped)
         self.losses.append(float(loss) if loss is not None else float("nan"))
-        self._last = scale
         return skipped
 
     @property
@@ -206,15 +183,13 @@ class ScaleLog:
 
         if not self.scales:
             raise ValueError("Nothing recorded yet: call log.update() after each scaler.update().")
-        if ax is None:
-            _, ax = plt.subplots(figsize=(8, 3.5))
-        df = self.frame()
+        ax, df = ax or plt.subplots(figsize=(8, 3.5))[1], self.frame()
         sns.lineplot(data=df, x="step", y="scale", drawstyle="steps-post", ax=ax, label="scale after update()")
         skipped = df[df.skipped]
         if len(skipped):
             ax.scatter(skipped.step, skipped.scale, color="crimson", zorder=3, label="skipped step (inf/NaN grads)")
         ax.set_yscale("log", base=2)
-        ax.set_title(title)
+        ax.set(title=title)
         ax.legend()
         return ax
 
@@ -313,10 +288,8 @@ def check_amp_step(step_fn: Callable, *, device: torch.device | str = "cpu", max
     4th overflows fp16) and compare with loss scaling done by hand; NotImplementedError propagates."""
     from . import checks
 
-    if not callable(step_fn):
-        raise TypeError("Pass your step function itself (amp_step), not its result.")
-    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
-        raise ValueError(f"max_norm must be a positive number, not {max_norm!r}.")
+    callable_arg(step_fn, "step_fn", "your step function itself (amp_step)")
+    positive_number(max_norm, "max_norm", "e.g. 0.25")
     device = torch.device(device)
     model, optimizer, batches = _exercise_setup(device)
     scaler = torch.amp.GradScaler(device.type, init_scale=EXERCISE_SCALE, growth_interval=1000)
@@ -347,30 +320,27 @@ def check_amp_step(step_fn: Callable, *, device: torch.device | str = "cpu", max
     finally:
         hook.remove()
     ref_w, ref_norms = _reference_run(str(device), float(max_norm))
-    ok = True
+    problems = []
     if torch.float16 not in seen:
-        print("✗ the forward pass did not run in fp16: wrap the model and the loss in "
-              "torch.amp.autocast(x.device.type, dtype=torch.float16).")
-        ok = False
+        problems.append("the forward pass did not run in fp16: wrap the model and the loss in "
+                        "torch.amp.autocast(x.device.type, dtype=torch.float16).")
     if skip["moved"] or not skip["finite"]:
-        print(f"✗ at step {OVERFLOW_STEP + 1} the scaled gradients overflowed, yet the weights changed"
-              f"{'' if skip['finite'] else ' (to inf/NaN)'}: that step must be skipped. scaler.step(optimizer) "
-              "skips it; optimizer.step() does not.")
-        ok = False
+        problems.append(f"at step {OVERFLOW_STEP + 1} the scaled gradients overflowed, yet the weights changed"
+                        f"{'' if skip['finite'] else ' (to inf/NaN)'}: that step must be skipped. "
+                        "scaler.step(optimizer) skips it; optimizer.step() does not.")
     if not skip["backed_off"]:
-        print(f"✗ the scale did not drop after the overflow at step {OVERFLOW_STEP + 1}: scaler.update() lowers it.")
-        ok = False
-    finite = [(mine, ref) for mine, ref in zip(norms, ref_norms) if math.isfinite(ref)]
-    ratios = sorted(mine / ref for mine, ref in finite if ref > 0)
+        problems.append(f"the scale did not drop after the overflow at step {OVERFLOW_STEP + 1}: scaler.update() lowers it.")
+    ratios = sorted(mine / ref for mine, ref in zip(norms, ref_norms) if math.isfinite(ref) and ref > 0)
     median_ratio = ratios[len(ratios) // 2] if ratios else math.nan
-    if math.isnan(median_ratio) and not skip["finite"]:
-        ok = False  # NaN weights give NaN norms: already reported above
-    elif not (abs(median_ratio - 1) <= 1e-3):
+    nan_reported = math.isnan(median_ratio) and not skip["finite"]  # NaN weights give NaN norms: reported above
+    if not nan_reported and not abs(median_ratio - 1) <= 1e-3:
         why = (f" (of the order of the loss scale, {EXERCISE_SCALE:g}): clipping measured the scaled gradients"
                if median_ratio > 100 else "")
-        print(f"✗ clip_grad_norm_ returned norms {median_ratio:.3g}x the true gradient norms{why}. "
-              "Clip the gradients once they are back to their true size.")
-        ok = False
+        problems.append(f"clip_grad_norm_ returned norms {median_ratio:.3g}x the true gradient norms{why}. "
+                        "Clip the gradients once they are back to their true size.")
+    for problem in problems:
+        print(f"✗ {problem}")
+    ok = not problems and not nan_reported
     same = checks.check_exercise(f"weights after {EXERCISE_STEPS} steps match loss scaling done by hand",
                                  _weights(model), ref_w, rel_tol=1e-4,
                                  hint="check the order of the scaler's calls and where clipping goes.")

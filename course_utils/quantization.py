@@ -6,14 +6,8 @@ import torch
 from torch import nn
 
 from .estimate import BNB_BLOCKSIZE
-from .memory import storage_key
-from .validation import float_tensor
-
-
-def _check_blocksize(blocksize) -> int:
-    if isinstance(blocksize, bool) or not isinstance(blocksize, int) or blocksize < 2:
-        raise ValueError(f"blocksize must be an integer >= 2 (bitsandbytes uses 256), not {blocksize!r}.")
-    return blocksize
+from .memory import _state_tensors, storage_key
+from .validation import callable_arg, float_tensor
 
 
 def error_metrics(x: torch.Tensor, x_hat: torch.Tensor) -> dict:
@@ -23,21 +17,8 @@ def error_metrics(x: torch.Tensor, x_hat: torch.Tensor) -> dict:
         raise ValueError(f"x and x_hat must have the same shape, not {tuple(x.shape)} and {tuple(x_hat.shape)}.")
     x, x_hat = x.detach().double().flatten().cpu(), x_hat.detach().double().flatten().cpu()
     err = (x - x_hat).abs()
-    return {
-        "mean_abs_error": float(err.mean()),
-        "max_abs_error": float(err.max()),
-        "rmse": float(err.pow(2).mean().sqrt()),
-        "rel_mean_error": float(err.mean() / x.abs().mean().clamp_min(1e-30)),
-    }
-
-
-def _state_tensors(optimizer):
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"optimizer must be a torch.optim.Optimizer (bitsandbytes' are), not {type(optimizer).__name__}.")
-    for param, state in optimizer.state.items():
-        for key, value in state.items():
-            if isinstance(value, torch.Tensor):
-                yield param, key, value
+    return {"mean_abs_error": float(err.mean()), "max_abs_error": float(err.max()), "rmse": float(err.pow(2).mean().sqrt()),
+            "rel_mean_error": float(err.mean() / x.abs().mean().clamp_min(1e-30))}
 
 
 def state_table(optimizer, model: nn.Module | None = None):
@@ -50,7 +31,8 @@ def state_table(optimizer, model: nn.Module | None = None):
             raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}.")
         names = {id(p): n for n, p in model.named_parameters()}
     rows, seen = {}, set()
-    for param, key, t in _state_tensors(optimizer):
+    _state_tensors(optimizer)  # checks it is an optimizer
+    for param, key, t in ((p, k, v) for p, st in optimizer.state.items() for k, v in st.items() if isinstance(v, torch.Tensor)):
         row = rows.setdefault(id(param), {"param": names.get(id(param), f"param {len(rows)}"),
                                           "numel": param.numel(), "state dtype": None})
         if row["state dtype"] is None and t.numel() == param.numel():
@@ -73,15 +55,14 @@ def bnb_roundtrip(x: torch.Tensor, *, blocksize: int = BNB_BLOCKSIZE, code: str 
     import bitsandbytes.functional as BF
 
     x = float_tensor(x, "x")
-    blocksize = _check_blocksize(blocksize)
+    if isinstance(blocksize, bool) or not isinstance(blocksize, int) or blocksize < 2:
+        raise ValueError(f"blocksize must be an integer >= 2 (bitsandbytes uses 256), not {blocksize!r}.")
     maps = {"dynamic": lambda: BF.create_dynamic_map(signed=True),
             "dynamic_unsigned": lambda: BF.create_dynamic_map(signed=False),
             "linear": lambda: BF.create_linear_map(signed=True)}
     if code not in maps:
         raise ValueError(f"code must be one of {sorted(maps)}, not {code!r}.")
-    qmap = maps[code]().to(x.device)
-    flat = x.detach().float().contiguous()
-    q, qstate = BF.quantize_blockwise(flat, code=qmap, blocksize=blocksize)
+    q, qstate = BF.quantize_blockwise(x.detach().float().contiguous(), code=maps[code]().to(x.device), blocksize=blocksize)
     return BF.dequantize_blockwise(q, qstate).reshape(x.shape).to(x.dtype)
 
 
@@ -93,16 +74,10 @@ def gpt2_tensor_sizes(name_or_config="gpt2-xl") -> list[int]:
     if not all(hasattr(config, a) for a in ("n_embd", "n_layer", "vocab_size", "n_positions")):
         raise TypeError("Pass a GPT-2 size name ('gpt2-xl') or a transformers GPT2Config.")
     d, inner = config.n_embd, config.n_inner or 4 * config.n_embd
-    sizes = [config.vocab_size * d, config.n_positions * d]  # wte (tied with lm_head), wpe
-    for _ in range(config.n_layer):
-        sizes += [d, d,                    # ln_1
-                  d * 3 * d, 3 * d,        # attn.c_attn
-                  d * d, d,                # attn.c_proj
-                  d, d,                    # ln_2
-                  d * inner, inner,        # mlp.c_fc
-                  inner * d, d]            # mlp.c_proj
-    sizes += [d, d]  # ln_f
-    return sizes
+    # wte (tied with lm_head), wpe; per layer ln_1, attn.c_attn, attn.c_proj, ln_2, mlp.c_fc, mlp.c_proj (weight, bias);
+    # ln_f
+    layer = [d, d, d * 3 * d, 3 * d, d * d, d, d, d, d * inner, inner, inner * d, d]
+    return [config.vocab_size * d, config.n_positions * d] + layer * config.n_layer + [d, d]
 
 
 def check_block_quantizer(quantize_fn, dequantize_fn, block: torch.Tensor, code: torch.Tensor) -> bool:
@@ -110,8 +85,8 @@ def check_block_quantizer(quantize_fn, dequantize_fn, block: torch.Tensor, code:
     ``dequantize_fn(idx, absmax, code)`` on a real block, each against the definition."""
     from . import checks
 
-    if not callable(quantize_fn) or not callable(dequantize_fn):
-        raise TypeError("Pass your two functions themselves (quantize_block, dequantize_block), not their results.")
+    for fn in (quantize_fn, dequantize_fn):
+        callable_arg(fn, "quantize_fn and dequantize_fn", "your two functions themselves (quantize_block, dequantize_block)")
     block = float_tensor(block, "block", "one block of optimizer state").detach().float().flatten()
     code = float_tensor(code, "code", "the 256 values of the map").detach().float().flatten().to(block.device)
     if code.numel() != 256:

@@ -12,7 +12,7 @@ def test_sixteen_bytes_per_param_mixed_precision_adam():
     n = 1_000_000_000
     tb = estimate.training_state_bytes(n, optimizer="adam", param_dtype="fp16", master_weights=True)
     assert (tb.params, tb.grads, tb.optimizer, tb.master_weights) == (2 * n, 2 * n, 8 * n, 4 * n)
-    assert tb.per_param(n) == 16
+    assert tb.total == 16 * n
 
 
 def test_fp32_adam_is_16_gb_for_1e9_params():
