@@ -1,13 +1,10 @@
-"""The capstone's pieces that are not the lesson: GPT-2-XL fine-tuning inside a small GPU (notebook 06).
+"""The capstone's pieces that are not the lesson (notebook 06: GPT-2-XL fine-tuning inside a small GPU).
 
-The lesson (the two-copy step with loss scaling and overflow skip, the gradient-streaming hook) is
-written in notebook 06's cells, after "How to fine tune VERY large model if it doesn't fit on your
-GPU". Here: the device copy's format (:func:`device_precision`); copy engines for the streaming hook,
-CUDA's (pinned staging, side stream, events) and its CPU twin, with one interface (``start_copy(src,
-dst) -> handle``, ``ready``, ``wait``, ``staging_like``); the fake-tensor GPU peak
-(:func:`predict_gpu_peak`) and the micro-batch that fits a card (:func:`largest_fitting_micro_batch`);
-the exercise checker (:func:`check_two_copy_step`); atomic checkpoints that resume bit-for-bit; the
-offline corpus, tokenizers, resumable batches, sampling; the PCIe arithmetic of both variants.
+The lesson (the two-copy step, the flat master copy, the gradient-streaming hook) is written in notebook 06's
+cells, after "How to fine tune VERY large model if it doesn't fit on your GPU". Here: the device copy's format;
+the 8-bit-state Adams that can step on this CPU (:func:`cpu_8bit_adams`); copy engines for the streaming hook
+(CUDA's and its CPU twin); the fake-tensor GPU peak and the micro-batch that fits a card; the exercise checker;
+atomic checkpoints that resume bit-for-bit; the offline corpus, tokenizers, batches, sampling; PCIe arithmetic.
 """
 from __future__ import annotations
 
@@ -62,15 +59,52 @@ def device_precision(compute_capability) -> Precision:
 
 
 # ----------------------------------------------------------------------------------------------
+# the CPU optimizer: the 8-bit-state Adams that can step here
+# ----------------------------------------------------------------------------------------------
+def cpu_compiles() -> tuple[bool, str]:
+    """Whether ``torch.compile`` can build a CPU kernel here (it needs a C++ compiler): ``(works, why)``."""
+    try:
+        torch.compile(lambda x: x * 2 + 1, fullgraph=True, dynamic=False)(torch.ones(8))
+    except Exception as err:  # no compiler, a broken toolchain: all mean "no compiled step here"
+        first = (str(err).strip().splitlines() or [""])[0][:160]
+        return False, f"torch.compile cannot build CPU code here ({type(err).__name__}: {first})"
+    return True, "torch.compile builds CPU code here (a C++ compiler is installed)"
+
+
+def cpu_8bit_adams(*, compiles: bool | None = None) -> tuple[dict, str]:
+    """``({name: make(params, lr)}, message)``: the 8-bit-state Adams (about 2 bytes of state per parameter)
+    that can step on this CPU. torchao's ``AdamFp8`` and ``Adam8bit`` compile their step with
+    ``torch.compile``, so they are offered only where it works (``compiles``; None: :func:`cpu_compiles`
+    decides); bitsandbytes' ``Adam8bit`` (eager on a CPU) runs everywhere."""
+    if compiles is None:
+        compiles, why = cpu_compiles()
+    elif isinstance(compiles, bool):
+        why = "torch.compile works here" if compiles else "torch.compile does not work here"
+    else:
+        raise TypeError(f"compiles must be True, False or None (probe this machine), not {compiles!r}.")
+    import bitsandbytes as bnb
+
+    adams = {}
+    if compiles:
+        try:
+            import torchao.optim as ao
+        except ImportError:
+            why += "; torchao is not installed (`pip install torchao`)"
+        else:
+            adams = {"torchao AdamFp8": lambda ps, lr: ao.AdamFp8(ps, lr=lr),
+                     "torchao Adam8bit": lambda ps, lr: ao.Adam8bit(ps, lr=lr)}
+    adams["bitsandbytes Adam8bit"] = lambda ps, lr: bnb.optim.Adam8bit(ps, lr=lr)
+    names = ", ".join(adams)
+    return adams, (f"{why}: candidates {names}" if len(adams) > 1 else
+                   f"{why}: only bitsandbytes' Adam8bit (eager, no compiler needed) can step here")
+
+
+# ----------------------------------------------------------------------------------------------
 # copy engines: device -> host copies that the streaming hook queues and drains
 # ----------------------------------------------------------------------------------------------
 class CudaCopyEngine:
-    """Device -> pinned-host copies on a side CUDA stream, one event per copy.
-
-    ``start_copy`` waits for the compute stream (``src`` must be complete), copies with
-    ``non_blocking=True`` on the side stream, tells the allocator the side stream still reads ``src``
-    (``record_stream``: freeing the gradient cannot hand its memory on too early) and returns an event.
-    """
+    """Device -> pinned-host copies on a side CUDA stream (after the compute stream), one event per copy;
+    ``record_stream`` keeps the allocator from handing the freed gradient's memory on too early."""
 
     def __init__(self, device="cuda"):
         self.device = torch.device(device)
@@ -101,13 +135,9 @@ class CudaCopyEngine:
 
 
 class CpuCopyEngine:
-    """The CPU twin of :class:`CudaCopyEngine`: the same interface, so the same hook code runs on a CPU.
-
-    ``deferred=False`` (what a CPU does): each copy completes in ``start_copy``. ``deferred=True``
-    (tests): copies wait in :attr:`pending` until ``wait(handle)`` or :meth:`complete` runs them, in
-    any order, as a GPU's copy engine may finish them. A handle is ``[src, dst, done]``; the source is
-    held until its copy ran (what ``record_stream`` does on CUDA).
-    """
+    """The CPU twin of :class:`CudaCopyEngine` (same interface). ``deferred=True`` (tests): copies wait in
+    :attr:`pending` until ``wait``/:meth:`complete` runs them, in any order; a handle ``[src, dst, done]``
+    holds the source until then (what ``record_stream`` does on CUDA)."""
 
     def __init__(self, *, deferred: bool = False):
         if not isinstance(deferred, bool):
@@ -148,23 +178,18 @@ class CpuCopyEngine:
 
 def copy_engine(device) -> CudaCopyEngine | CpuCopyEngine:
     """The copy engine for a device model on ``device``: CUDA's side stream, or its CPU twin."""
-    device = torch.device(device)
-    return CudaCopyEngine(device) if device.type == "cuda" else CpuCopyEngine()
+    return CudaCopyEngine(device) if torch.device(device).type == "cuda" else CpuCopyEngine()
 
 
 # ----------------------------------------------------------------------------------------------
 # the exercise checker: the two-copy step
 # ----------------------------------------------------------------------------------------------
 def check_two_copy_step(step_fn: Callable, *, verbose: bool = True) -> bool:
-    """Check a learner's ``two_copy_step(device_params, master_params, optimizer, scale) -> bool``.
-
-    Runs it on real tensors (fp16 device copy, fp32 master copy with SGD, loss scale 2**10) with
-    (1) finite device gradients, one parameter without any: master -= lr * grad / scale, the device
-    gets the new master in fp16, returns True; (2) an inf gradient: nothing changes, returns False;
-    (3) gradients already summed on the master, none on the device (streaming): it steps with those.
-    After each, device gradients must be gone and master gradients zero. Prints what went wrong;
-    ``NotImplementedError`` from an unfilled stub propagates (the notebook then says "fill in").
-    """
+    """Check a learner's ``two_copy_step(device_params, master_params, optimizer, scale) -> bool`` on real
+    tensors (fp16 device copy, fp32 master with SGD, scale 2**10): finite gradients (one parameter without),
+    an inf gradient (nothing changes, False), gradients already on the master (streaming). Device gradients
+    must end as None, master gradients zero. Prints what went wrong; an unfilled stub's
+    ``NotImplementedError`` propagates (the notebook then says "fill in")."""
     if not callable(step_fn):
         raise TypeError(f"Pass your two_copy_step function itself, not {type(step_fn).__name__}.")
     scale, lr, shapes, problems = 2.0**10, 0.5, [(3, 4), (5,), (2,)], []
@@ -269,22 +294,14 @@ def fake_device() -> str:
 def predict_gpu_peak(config_or_name="gpt2-xl", *, variant: str = "recipe", micro_batch: int = 4,
                      seq_len: int = 1024, dtype: torch.dtype = torch.float16, device: str | None = None,
                      attention: str = "fused", **overrides):
-    """Predict the GPU peak of one micro-step (forward + backward) of the capstone, with fake tensors.
+    """The GPU peak of one micro-step (forward + backward) of the capstone, predicted with fake tensors.
 
-    Builds the GPT-2 model under ``FakeTensorMode`` (shapes, no memory) in ``dtype`` with
-    gradient checkpointing and measures one forward + backward with
-    :func:`course_utils.memory.measure_memory`. ``variant='recipe'``: every gradient stays on the
-    GPU until the step; ``'streamed'``: each gradient leaves the GPU as soon as backward has produced
-    it (a ``register_post_accumulate_grad_hook`` frees it, as notebook 06's streaming hook does after
-    queueing its copy). The CPU side (master copy, staging buffers) is not device memory and is not
-    counted. GPT-2-XL costs about 10-20 s on 2 cores.
-
-    Tensors are priced as CUDA keeps them (:class:`course_utils.models.as_on_cuda`: bool dropout
-    masks; ``attention='fused'``: the SDPA kernel a GPU runs, output + log-sum-exp, nothing
-    T x T; ``'math'``: the written-out attention). The loop drops the outputs before backward
-    (``model(...).loss.backward()``), so the logits are freed there.
-
-    Returns the :class:`course_utils.memory.MemoryReport`.
+    GPT-2 under ``FakeTensorMode`` (shapes, no memory) in ``dtype``, checkpointed, measured with
+    :func:`course_utils.memory.measure_memory`. ``variant='recipe'``: every gradient stays on the GPU
+    until the step; ``'streamed'``: each leaves as soon as backward produced it. The CPU side is not
+    counted. Tensors are priced as CUDA keeps them (``models.as_on_cuda``; ``attention='fused'``: SDPA's
+    output + log-sum-exp, ``'math'``: written-out attention). GPT-2-XL: 10-20 s on 2 cores. Returns the
+    :class:`course_utils.memory.MemoryReport`.
     """
     from . import models
     from .memory import measure_memory
@@ -330,11 +347,8 @@ def _free_grad(param: torch.Tensor) -> None:
 # ----------------------------------------------------------------------------------------------
 def pcie_bytes_per_step(n_params: int, *, variant: str = "recipe", accum_steps: int = 16,
                         grad_bytes: int = 2, weight_bytes: int = 2) -> dict:
-    """Bytes crossing PCIe per optimizer step: gradients device->host, weights host->device.
-
-    The recipe copies the accumulated gradients once per step; the streamed variant copies
-    every micro-batch's gradients (``accum_steps`` times). Both copy the new weights back once.
-    """
+    """Bytes crossing PCIe per optimizer step: gradients device->host (the recipe once, the streamed
+    variant every micro-batch's, ``accum_steps`` times), the new weights host->device once."""
     n = positive_int(n_params, "n_params")
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, not {variant!r}.")
@@ -342,8 +356,7 @@ def pcie_bytes_per_step(n_params: int, *, variant: str = "recipe", accum_steps: 
     positive_int(grad_bytes, "grad_bytes")
     positive_int(weight_bytes, "weight_bytes")
     copies = 1 if variant == "recipe" else accum
-    to_host = copies * n * grad_bytes
-    to_device = n * weight_bytes
+    to_host, to_device = copies * n * grad_bytes, n * weight_bytes
     return {"to_host": to_host, "to_device": to_device, "total": to_host + to_device}
 
 
@@ -382,12 +395,8 @@ def _check_trainer(trainer) -> None:
 
 
 def save_checkpoint(path, trainer, *, step: int, data_position: int, extra: dict | None = None) -> Path:
-    """Write ``trainer.state_dict()`` + step + RNG + data position to ``path`` atomically.
-
-    The file is written to ``path.tmp`` and renamed with ``os.replace``: a session that dies
-    mid-write leaves the previous checkpoint whole. ``trainer.variant`` (if any) is saved too, so a
-    checkpoint of one trainer is never loaded into another kind.
-    """
+    """Write ``trainer.state_dict()`` + step + RNG + data position to ``path`` atomically (``path.tmp``, then
+    ``os.replace``: a session dying mid-write leaves the previous checkpoint whole), with ``trainer.variant``."""
     _check_trainer(trainer)
     for name, value in (("step", step), ("data_position", data_position)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -418,10 +427,8 @@ def load_checkpoint(path, trainer) -> dict | None:
     if not isinstance(payload, dict) or "trainer" not in payload:
         raise ValueError(f"{path.name} is not a capstone checkpoint; delete it to start over.")
     if payload.get("variant") != getattr(trainer, "variant", None):
-        raise ValueError(
-            f"{path.name} was saved by the {payload.get('variant')!r} trainer, not {getattr(trainer, 'variant', None)!r}; "
-            "use a separate checkpoint file per variant."
-        )
+        raise ValueError(f"{path.name} was saved by the {payload.get('variant')!r} trainer, not "
+                         f"{getattr(trainer, 'variant', None)!r}; use a separate checkpoint file per variant.")
     trainer.load_state_dict(payload["trainer"])
     set_rng_state(payload["rng"])
     return {"step": payload["step"], "data_position": payload["data_position"], "extra": payload["extra"]}
@@ -431,12 +438,9 @@ def load_checkpoint(path, trainer) -> dict | None:
 # an offline corpus and tokenizer
 # ----------------------------------------------------------------------------------------------
 def course_corpus(notebooks_dir=None, *, min_chars: int = 2000) -> tuple[str, str]:
-    """Text that needs no download: the markdown prose of the course's own notebooks.
-
-    By default the copy that ships inside the package (``data_files/course_corpus.txt``, made by
-    ``scripts/build_corpus.py``), so it works wherever the course is installed (Colab included).
-    ``notebooks_dir=`` reads the prose of the notebooks in that folder instead. Returns ``(text, source)``.
-    """
+    """``(text, source)`` that needs no download: the course notebooks' markdown prose, as shipped in the
+    package (``data_files/course_corpus.txt``, made by ``scripts/build_corpus.py``), or read from the
+    notebooks in ``notebooks_dir``."""
     positive_int(min_chars, "min_chars")
     if notebooks_dir is None:
         shipped = paths.data_file(CORPUS_FILE).read_text(encoding="utf-8")
@@ -562,13 +566,8 @@ def param_diff(a: Iterable[torch.Tensor], b: Iterable[torch.Tensor]) -> float:
 @torch.no_grad()
 def sample_text(model: nn.Module, tokenizer, prompt: str, *, n_tokens: int = 60, temperature: float = 0.8,
                 top_k: int = 40, seed: int = 0) -> str:
-    """Sample ``n_tokens`` after ``prompt`` (top-k, seeded: the same weights give the same text).
-
-    Runs the model in eval mode without a KV cache (simple and fine for a short sample), then
-    restores train mode if it was on. A model whose vocabulary is larger than the tokenizer's
-    (GPT-2-XL's shape with the byte-level tokenizer) samples only ids the tokenizer can decode.
-    Returns only the new text.
-    """
+    """The ``n_tokens`` sampled after ``prompt`` (top-k, seeded), in eval mode without a KV cache (train mode
+    restored after). A model wider than its tokenizer samples only ids the tokenizer can decode."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}.")
     if not isinstance(prompt, str) or not prompt:

@@ -23,7 +23,7 @@ NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "06_capstone_g
 LESSON = {  # a name the notebook defines -> which of its code cells defines it
     "LossScale": lambda src, tags: src.startswith("class LossScale"),
     "two_copy_step": lambda src, tags: "solution" in tags and "def two_copy_step" in src,
-    "TwoCopyTrainer": lambda src, tags: src.startswith("class TwoCopyTrainer"),
+    "TwoCopyTrainer": lambda src, tags: src.startswith("class TwoCopyTrainer"),  # with flat_master
     "StreamedTrainer": lambda src, tags: src.startswith("class StreamedTrainer"),
 }
 TOL_FP16 = 0.05  # fp16 device model vs fp32 model: update within 5% of the largest update
@@ -45,6 +45,7 @@ def lesson() -> dict:
                 exec(compile(src, f"{NOTEBOOK.name}:{name}", "exec"), ns)
                 found.append(name)
     assert sorted(found) == sorted(LESSON), f"notebook 06 should define each of {sorted(LESSON)} once, found {found}"
+    assert callable(ns.get("flat_master")), "notebook 06's trainer cell should define flat_master"
     return ns
 
 
@@ -88,6 +89,11 @@ def adam8bit(lr=1e-3):
     return lambda ps: bnb.optim.Adam8bit(ps, lr=lr)
 
 
+def torchao_fp8(lr=1e-3):
+    adams, _ = capstone.cpu_8bit_adams(compiles=True)
+    return lambda ps: adams["torchao AdamFp8"](ps, lr)
+
+
 def sgd(lr=0.1):
     return lambda ps: torch.optim.SGD(ps, lr=lr)
 
@@ -100,6 +106,23 @@ def train_plain(model, opt, data, accum):
         opt.zero_grad()
 
 
+def train_plain_flat(model, make_opt, data, accum):
+    """Plain fp32 training whose optimizer steps one flat copy of the weights (the notebook's flat_master),
+    as the trainer's master copy is: an 8-bit state's blocks then run across the same weight boundaries."""
+    views, chunks = lesson()["flat_master"](list(model.parameters()))
+    opt = make_opt(chunks)
+    for step in range(len(data) // accum):
+        for x in data[step * accum:(step + 1) * accum]:
+            model(input_ids=x, labels=x).loss.div(accum).backward()
+        with torch.no_grad():
+            for v, p in zip(views, model.parameters()):
+                v.grad.copy_(p.grad)
+            opt.step()
+            for v, p in zip(views, model.parameters()):
+                p.copy_(v)
+                p.grad = None
+
+
 def train_trainer(trainer, data, accum):
     applied = []
     for step in range(len(data) // accum):
@@ -110,13 +133,18 @@ def train_trainer(trainer, data, accum):
 
 
 # ----------------------------------------------------------------------------------------------- the lesson
-@pytest.mark.parametrize("make_opt", [adam, adam8bit], ids=["adam", "adam8bit"])
-def test_two_copy_fp32_matches_plain_training_exactly(make_opt):
+@pytest.mark.parametrize("make_opt,flat", [(adam, False), (adam8bit, True), (torchao_fp8, True)],
+                         ids=["adam-per-weight", "bnb-adam8bit-flat", "torchao-fp8-flat"])
+def test_two_copy_fp32_matches_plain_training_exactly(make_opt, flat):
+    """Adam is elementwise: the trainer's flat master equals per-weight training. An 8-bit state quantizes
+    blocks of 256 values, so it is compared with the same optimizer on one flat vector of the weights."""
     ref = tiny()
-    opt = make_opt(1e-3)(list(ref.parameters()))
     trainer = recipe(tiny(), make_opt(1e-3), scale=lesson()["LossScale"](2.0**16))  # 2**16: exact in fp32
     data = batches(4)
-    train_plain(ref, opt, data, accum=2)
+    if flat:
+        train_plain_flat(ref, make_opt(1e-3), data, accum=2)
+    else:
+        train_plain(ref, make_opt(1e-3)(list(ref.parameters())), data, accum=2)
     assert train_trainer(trainer, data, accum=2) == [True, True]
     assert capstone.param_diff(ref.parameters(), trainer.master_params) == 0.0
     assert capstone.param_diff(ref.parameters(), trainer.model.parameters()) == 0.0  # copied back
@@ -180,12 +208,14 @@ def test_loss_scale_fixed_for_bf16_and_fp32():
     assert scale.value == 1.0
 
 
-@pytest.mark.parametrize("dtype,make_opt,rel_tol", [(torch.float32, adam8bit(), 0.0), (torch.float16, sgd(), 0.01)],
-                         ids=["fp32-adam8bit", "fp16-sgd"])
+@pytest.mark.parametrize("dtype,make_opt,rel_tol", [(torch.float32, adam8bit(), 0.0), (torch.float32, "fp8", 0.0),
+                                                     (torch.float16, sgd(), 0.01)],
+                         ids=["fp32-adam8bit", "fp32-torchao-fp8", "fp16-sgd"])
 def test_streamed_update_equals_two_copy_over_accumulation(dtype, make_opt, rel_tol):
     """fp32: bit-identical. fp16: the streamed sum is done in fp32 (the recipe sums in fp16 on the
     device), so SGD's update (linear in the gradient) agrees within 1% of the largest update."""
     data = batches(6)
+    make_opt = torchao_fp8() if make_opt == "fp8" else make_opt
     rec = recipe(tiny(dtype), make_opt)
     stream = streamed(tiny(dtype), make_opt)
     start = [m.detach().clone() for m in rec.master_params]
@@ -400,12 +430,13 @@ def test_predict_gpu_peak_tiny_fake_streamed_below_recipe():
     assert streamed_report.peak_bytes < 0.75 * recipe_report.peak_bytes
 
 
-def test_checkpoint_resume_gives_identical_losses(tmp_path):
+@pytest.mark.parametrize("make_opt", [adam8bit, torchao_fp8], ids=["bnb-adam8bit", "torchao-fp8"])
+def test_checkpoint_resume_gives_identical_losses(tmp_path, make_opt):
     tokens = torch.tensor(capstone.ByteTokenizer().encode("the model does not fit; " * 20)) % 64
 
     def run(path, n_steps, crash_at=None):
         model = tiny(dropout=0.1)  # dropout: resumed losses match only if the RNG is restored
-        trainer = recipe(model, adam8bit(1e-2))
+        trainer = recipe(model, make_opt(1e-2))
         data = capstone.TokenBatches(tokens, seq_len=16, micro_batch=2, seed=0)
         state = capstone.load_checkpoint(path, trainer)
         start = state["step"] if state else 0
@@ -519,3 +550,50 @@ def test_sample_text_with_a_model_wider_than_its_tokenizer():
     tok.vocab_size = 40  # an instance attribute: a tokenizer that knows fewer ids than the model
     text = capstone.sample_text(model, tok, "!", n_tokens=20, temperature=5.0, top_k=64, seed=1)
     assert all(ord(ch) < 40 for ch in text)
+
+
+def test_flat_master_views_chunks_and_padding():
+    flat_master = lesson()["flat_master"]
+    weights = [torch.randn(3, 100), torch.randn(7), torch.randn(300, 2).half()]
+    views, chunks = flat_master(weights, block=256, chunk=512)
+    n = 300 + 7 + 600
+    assert [c.numel() for c in chunks] == [512, 512]  # 907 values padded to 1024, cut in chunks of 512
+    assert all(v.dtype == torch.float32 and v.shape == w.shape for v, w in zip(views, weights))
+    assert capstone.param_diff(views, weights) == 0.0
+    base = chunks[0].data_ptr()
+    assert views[1].data_ptr() == base + 300 * 4 and chunks[1].data_ptr() == base + 512 * 4  # one storage
+    for v in views:
+        v.grad.fill_(1.0)
+    grads = torch.cat([c.grad for c in chunks])
+    assert int(grads.sum()) == n and not grads[n:].any()  # the padding's gradient stays zero
+    torch.optim.SGD(chunks, lr=0.5).step()  # stepping the chunks steps the views
+    assert capstone.param_diff(views, [w.float() - 0.5 for w in weights]) < 1e-6
+    assert float(torch.cat([c.detach() for c in chunks])[n:].abs().max()) == 0.0
+
+
+def test_cpu_8bit_adams_with_and_without_a_compiler(monkeypatch):
+    monkeypatch.setattr(capstone, "cpu_compiles", lambda: (False, "torch.compile cannot build CPU code here (test)"))
+    adams, message = capstone.cpu_8bit_adams()
+    assert list(adams) == ["bitsandbytes Adam8bit"]
+    assert "cannot build" in message and "only bitsandbytes" in message
+    p = torch.nn.Parameter(torch.zeros(4096))
+    assert type(adams["bitsandbytes Adam8bit"]([p], 1e-3)).__name__ == "Adam8bit"
+    monkeypatch.setattr(capstone, "cpu_compiles", lambda: (True, "torch.compile builds CPU code here (test)"))
+    adams, message = capstone.cpu_8bit_adams()
+    assert list(adams) == ["torchao AdamFp8", "torchao Adam8bit", "bitsandbytes Adam8bit"]
+    assert "candidates" in message
+    assert type(adams["torchao AdamFp8"]([p], 1e-3)).__module__.startswith("torchao")
+    monkeypatch.setitem(__import__("sys").modules, "torchao.optim", None)  # torchao not installed
+    adams, message = capstone.cpu_8bit_adams(compiles=True)
+    assert list(adams) == ["bitsandbytes Adam8bit"] and "pip install torchao" in message
+    with pytest.raises(TypeError, match="compiles"):
+        capstone.cpu_8bit_adams(compiles="yes")
+
+
+def test_cpu_compiles_probe_reports_a_missing_compiler(monkeypatch):
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found\nmore detail")
+
+    monkeypatch.setattr(torch, "compile", no_compiler)
+    works, why = capstone.cpu_compiles()
+    assert works is False and "cannot build CPU code" in why and "InvalidCxxCompiler" in why and "more" not in why
