@@ -1,12 +1,18 @@
 """Tests of course_utils.planner: presets, attention as each device runs it, validation against
 measure_memory and the capstone's fake-tensor measurement, the search, bad input."""
+import functools
 import math
 import warnings
 
+import numpy as np
+
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
 
-from course_utils import capstone, hardware, models, planner
+from course_utils import capstone, hardware, memory, models, planner, results
 
 GIB = 1024**3
 SMALL_GPT2 = dict(n_layer=2, n_embd=64, n_head=2, vocab_size=1024, n_positions=256, bos_token_id=1023, eos_token_id=1023)
@@ -237,7 +243,7 @@ def test_cheapest_fit_for_gpt2_xl_on_rtx_3060(attention):
     assert all(nb.endswith(".ipynb") and nb[:2].isdigit() for nb in rec.notebooks.values())
     assert rec.plan.settings.micro_batch * rec.plan.settings.accumulation == 32  # effective batch kept
     if attention == "math":  # T x T tensors at 1024 tokens: only checkpointing gets them off the card
-        assert any("checkpointing" in t for t in rec.techniques)
+        assert any("checkpointing" in t or "offload" in t for t in rec.techniques)
 
 
 def test_cheapest_fit_returns_nothing_when_it_already_fits():
@@ -257,10 +263,27 @@ def test_cheapest_fit_returns_nothing_when_it_already_fits():
     (dict(micro_batch=4, optimizer="lion"), "Unknown optimizer"),
     (dict(micro_batch=4, stream_grads=True), "master_on_cpu=True"),
     (dict(micro_batch=4, device="tpu"), "device must be"),
+    (dict(micro_batch=4, accumulation=4, fused_update=True), "set accumulation=1"),
+    (dict(micro_batch=4, master_on_cpu=True, fused_update=True), "stream_grads=True"),
+    (dict(micro_batch=4, stream_weights=True), "master_on_cpu=True"),
+    (dict(micro_batch=4, lora_rank=8, master_on_cpu=True), "master_on_cpu=False"),
+    (dict(micro_batch=4, lora_rank=0), "lora_rank must be positive"),
+    (dict(micro_batch=4, master_on_cpu=True, cpu_optimizer="lion_cpu"), "Unknown cpu_optimizer"),
+    (dict(micro_batch=4, master_on_cpu=True, cpu_optimizer="bnb_adam8bit"), "same state"),
+    (dict(micro_batch=4, cpu_optimizer="adamw_fused"), "master_on_cpu=True"),
 ])
 def test_bad_settings_raise_value_error_saying_what_to_change(kwargs, match):
     with pytest.raises(ValueError, match=match):
         planner.predict("gpt2", "T4", **kwargs)
+
+
+def test_toggles_that_need_a_language_model_say_so():
+    with pytest.raises(ValueError, match="has none: set chunked_loss=False"):
+        planner.predict("mlp", micro_batch=4, chunked_loss=True)
+    with pytest.raises(ValueError, match="not a GPT-2"):
+        planner.predict("bert-base", micro_batch=4, lora_rank=8)
+    with pytest.raises(TypeError, match="offload_activations must be True or False"):
+        planner.predict("gpt2", micro_batch=4, offload_activations="yes")
 
 
 def test_bad_names_and_sizes():
@@ -310,3 +333,252 @@ def test_no_planner_module_is_over_600_lines():
     folder = Path(planner.__file__).parent
     sizes = {p.name: len(p.read_text().splitlines()) for p in folder.glob("*.py")}
     assert max(sizes.values()) <= 600, sizes
+
+
+# ---------------------------------------------------------------- the current toolbox (notebooks 08, 09)
+# Each toggle is applied for real on a small GPT-2 on the CPU and its second step measured with measure_memory;
+# the prediction with the toggle is within 10% of the peak, the one without it is not (so each test can fail).
+WIDE_GPT2 = dict(n_layer=4, n_embd=128, n_head=4, vocab_size=256, n_positions=128, bos_token_id=255, eos_token_id=255)
+MEASURED_ERRORS = {}
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_spec(config):
+    return planner.gpt2_spec("gpt2", kinds=("fp32",), fake=False, **dict(config))
+
+
+def build_small(config):
+    torch.manual_seed(0)
+    net = models.build_gpt2("gpt2", attention="math", use_cache=False, **config)
+    return net, torch.randint(0, net.config.vocab_size, (64,), generator=torch.Generator().manual_seed(1))
+
+
+def second_step_peak(step, model, optimizer=None):
+    step()  # the first step makes the optimizer's state
+    return memory.measure_memory(step, model=model, optimizer=optimizer).peak_bytes
+
+
+def assert_toggle_predicts(name, config, measured, toggle, **settings):
+    spec = cpu_spec(tuple(config.items()))
+    on = planner.predict(spec, device="cpu", **toggle, **settings).tensor_peak_bytes
+    off = planner.predict(spec, device="cpu", **settings).tensor_peak_bytes
+    MEASURED_ERRORS[name] = (on - measured) / measured
+    print(f"{name}: predicted {on:,} B, measured {measured:,} B ({MEASURED_ERRORS[name]:+.1%}); "
+          f"without the toggle {(off - measured) / measured:+.1%}")
+    assert abs(on - measured) <= 0.10 * measured, (name, on, measured)
+    assert abs(off - measured) > 0.10 * measured, (name, "the toggle must matter here", off, measured)
+
+
+def adamw_step(net, opt, loss_fn):
+    def step():
+        loss_fn().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return step
+
+
+def test_offload_activations_matches_measure_memory():
+    # Saved tensors wait in NumPy arrays (host memory measure_memory does not count), as in notebook 08
+    net, ids = build_small(SMALL_GPT2)
+    x = ids.view(8, 8).repeat(1, 8)  # 8 x 64 tokens
+    weights = {p.untyped_storage().data_ptr() for p in net.parameters()}
+
+    def pack(t):
+        return t if t.untyped_storage().data_ptr() in weights else t.detach().numpy().copy()
+
+    def unpack(packed):  # back on the device for backward
+        return packed if isinstance(packed, torch.Tensor) else torch.from_numpy(packed).clone()
+
+    def loss():
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            return net(input_ids=x, labels=x).loss
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-4)
+    measured = second_step_peak(adamw_step(net, opt, loss), net, opt)
+    assert_toggle_predicts("offload_activations", SMALL_GPT2, measured, dict(offload_activations=True),
+                           micro_batch=8, size=64, keep_outputs=False)  # the loop keeps only the loss
+
+
+class ChunkedLM(nn.Module):
+    """GPT-2 whose loss never holds the whole logits: chunks of tokens, each under checkpoint."""
+
+    def __init__(self, net):
+        super().__init__()
+        self.net = net
+
+    def forward(self, x):
+        hidden = self.net.transformer(input_ids=x).last_hidden_state[:, :-1].reshape(-1, self.net.config.n_embd)
+        targets = x[:, 1:].reshape(-1)
+        chunk = math.ceil(x.numel() / planner.model.LOSS_CHUNKS)
+
+        def chunk_loss(h, y):  # recomputed in backward
+            return F.cross_entropy(self.net.lm_head(h), y, reduction="sum")
+        total = sum(checkpoint(chunk_loss, h, y, use_reentrant=False)
+                    for h, y in zip(hidden.split(chunk), targets.split(chunk)))
+        return total / targets.numel()
+
+
+def test_chunked_loss_matches_measure_memory():
+    net, ids = build_small(SMALL_GPT2)
+    model, x = ChunkedLM(net), ids.view(8, 8).repeat(1, 8)
+    with torch.no_grad():  # the same loss as the whole logits' (up to rounding; no dropout)
+        assert torch.allclose(model.eval()(x), net(input_ids=x, labels=x).loss, rtol=1e-5)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    measured = second_step_peak(adamw_step(model, opt, lambda: model(x)), model, opt)
+    assert_toggle_predicts("chunked_loss", SMALL_GPT2, measured, dict(chunked_loss=True), micro_batch=8, size=64)
+
+
+def test_fused_update_matches_measure_memory():
+    # One AdamW; each parameter's post-accumulate-grad hook steps it (the only one with a gradient) and frees it
+    net, ids = build_small(WIDE_GPT2)
+    x = ids[:16].view(1, 16)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-4)
+
+    def step_now(param):
+        opt.step()
+        param.grad = None
+    for p in net.parameters():
+        p.register_post_accumulate_grad_hook(step_now)
+    measured = second_step_peak(lambda: net(input_ids=x, labels=x).loss.backward(), net, opt)
+    assert_toggle_predicts("fused_update", WIDE_GPT2, measured, dict(fused_update=True), micro_batch=1, size=16)
+
+
+def test_lora_matches_peft_and_measure_memory():
+    peft = pytest.importorskip("peft")
+    net, ids = build_small(WIDE_GPT2)
+    x = ids[:16].view(1, 16)
+    config = peft.LoraConfig(r=8, lora_alpha=16, target_modules=["c_attn", "c_proj", "c_fc"], lora_dropout=0.0,
+                             fan_in_fan_out=True)
+    net = peft.get_peft_model(net, config)
+    trainable = [p for p in net.parameters() if p.requires_grad]
+    assert sum(p.numel() for p in trainable) == planner.lora_params(cpu_spec(tuple(WIDE_GPT2.items())), 8)
+    opt = torch.optim.AdamW(trainable, lr=1e-3)
+    measured = second_step_peak(adamw_step(net, opt, lambda: net(input_ids=x, labels=x).loss), net, opt)
+    assert_toggle_predicts("lora_rank", WIDE_GPT2, measured, dict(lora_rank=8), micro_batch=1, size=16)
+    spec = planner.get_model("gpt2-xl")
+    full, lora = (planner.predict(spec, micro_batch=4, size=1024, **kw)
+                  for kw in ({}, dict(lora_rank=8)))
+    assert lora.step_seconds < 0.7 * full.step_seconds  # no weight gradients: 4/6 of the FLOPs
+
+
+def test_stream_weights_matches_measure_memory():
+    # A short twin of notebook 09: each block's weights come from the host (master) copy when its checkpointed
+    # forward (or backward's recompute) starts, the next block is prefetched, and both leave after use.
+    net, ids = build_small(WIDE_GPT2)
+    x, gpt, blocks = ids[:16].view(1, 16), net.transformer, net.transformer.h
+    master = {p: p.detach().clone() for p in net.parameters()}  # the host's weights, only read during a step
+    host_grads = {p: np.zeros(tuple(p.shape), dtype=np.float32) for p in net.parameters()}  # NumPy: not counted
+    resident = set()
+
+    def fetch(i):
+        if 0 <= i < len(blocks) and i not in resident:
+            for p in blocks[i].parameters():
+                p.untyped_storage().resize_(p.numel() * p.element_size())
+                p.data.copy_(master[p])
+            resident.add(i)
+
+    def evict(i):
+        if i in resident:
+            for p in blocks[i].parameters():
+                p.untyped_storage().resize_(0)
+            resident.discard(i)
+
+    def run(i, h):  # forward: this block and the next; the recompute in backward: this one and the one before
+        in_backward = torch._C._current_graph_task_id() != -1
+        if in_backward:
+            evict(i + 1), fetch(i), fetch(i - 1)
+        else:
+            fetch(i), fetch(i + 1)
+        out = blocks[i](h)
+        if not in_backward:
+            evict(i)
+        return out[0] if isinstance(out, tuple) else out
+
+    class Streamed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = net
+
+        def forward(self, x):
+            h = gpt.drop(gpt.wte(x) + gpt.wpe(torch.arange(x.shape[1])))
+            for i in range(len(blocks)):
+                h = checkpoint(run, i, h, use_reentrant=False)
+            logits = net.lm_head(gpt.ln_f(h))
+            return F.cross_entropy(logits[:, :-1].flatten(0, 1), x[:, 1:].flatten())
+
+    def stream_grad(p):  # each gradient leaves for the host as soon as it is complete
+        host_grads[p] += p.grad.numpy()
+        p.grad = None
+    for p in net.parameters():
+        p.register_post_accumulate_grad_hook(stream_grad)
+    model = Streamed()  # GPT-2's blocks and embeddings, run block by block (attention without a causal mask)
+    resident.update(range(len(blocks)))
+    for i in range(len(blocks)):
+        evict(i)
+
+    def fwd_bwd():
+        model(x).backward()
+        for i in list(resident):
+            evict(i)
+    measured = second_step_peak(fwd_bwd, model)
+    assert sum(abs(g).sum() for g in host_grads.values()) > 0
+    assert_toggle_predicts("stream_weights", WIDE_GPT2, measured, dict(stream_weights=True), micro_batch=1, size=16,
+                           checkpointing="block", master_on_cpu=True, stream_grads=True)
+
+
+# ---------------------------------------------------------------- the CPU step, and the cheapest set
+def test_cpu_step_uses_the_learners_measurement_when_recorded(tmp_path, monkeypatch):
+    monkeypatch.setenv("COURSE_RESULTS_DIR", str(tmp_path))
+    kw = dict(micro_batch=4, size=1024, precision="fp16", checkpointing="block", master_on_cpu=True)
+    for optimizer, name in (("adam", "adamw_fused"), ("adam8bit", "torchao_adamw8bit")):
+        reference = planner.predict("gpt2-xl", optimizer=optimizer, **kw)
+        assert planner.cpu_step_ns(name) == (planner.CPU_STEP_REFERENCE[name],
+                                             "reference: 2 cores of the course's CI machine")
+        assert any("reference: 2 cores" in note and name in note for note in reference.notes)
+    results.record("cpu_torchao8bit_ns_per_param", 3.2, "ns", notebook="08_current_toolbox")
+    ns, source = planner.cpu_step_ns("torchao_adamw8bit")
+    assert ns == 3.2 and "measured on this machine" in source
+    measured = planner.predict("gpt2-xl", optimizer="adam8bit", **kw)
+    assert any("measured on this machine" in note for note in measured.notes)
+    reference = planner.predict("gpt2-xl", optimizer="adam8bit", cpu_optimizer="torchao_adamw8bit", **kw)
+    assert measured.step_seconds == pytest.approx(reference.step_seconds)
+    slower = planner.predict("gpt2-xl", optimizer="adam8bit", cpu_optimizer="bnb_adam8bit", **kw)
+    n = planner.get_model("gpt2-xl").n_params
+    assert slower.step_seconds - measured.step_seconds == pytest.approx(n * (24.5 - 3.2) * 1e-9)
+    monkeypatch.setenv("COURSE_RESULTS_DIR", str(tmp_path / "nothing recorded"))
+    back = planner.predict("gpt2-xl", optimizer="adam8bit", **kw)
+    assert measured.step_seconds - back.step_seconds == pytest.approx(n * (3.2 - 1.2) * 1e-9)
+
+
+def test_toggles_change_the_time_model():
+    kw = dict(micro_batch=4, size=1024, precision="bf16", checkpointing="block", master_on_cpu=True)
+    base = planner.predict("gpt2-xl", "RTX 3060 (12 GB)", **kw)
+    chunked = planner.predict("gpt2-xl", "RTX 3060 (12 GB)", chunked_loss=True, **kw)
+    spec, gpu = base.model, base.gpu
+    head = 2 * spec.output_per_unit * spec.hidden_size * 4 * 1024 / (gpu.half_tflops * 1e12 * planner.model.MFU)
+    assert chunked.step_seconds - base.step_seconds == pytest.approx(head)  # one more head matmul
+    assert spec.hidden_size == 1600
+    # copies beside compute: hidden while compute is longer; on a slow link they show
+    streamed = planner.predict("gpt2-xl", "RTX 3060 (12 GB)", stream_weights=True, **kw)
+    assert streamed.step_seconds == pytest.approx(base.step_seconds)
+    slow = planner.custom_gpu(12, pcie="PCIe 3.0 x16", half_tflops=400.0)
+    assert planner.predict("gpt2-xl", slow, stream_weights=True, **kw).step_seconds > planner.predict(
+        "gpt2-xl", slow, **kw).step_seconds
+
+
+GPT2_XL_SMALL_CARDS = {}
+
+
+@pytest.mark.parametrize("gib", [2, 4, 6])
+def test_cheapest_set_for_gpt2_xl_on_small_cards(gib):
+    rec = planner.cheapest_fit("gpt2-xl", gib, micro_batch=4, size=1024)
+    GPT2_XL_SMALL_CARDS[gib] = rec
+    print(f"{gib} GiB: {rec.techniques}, {rec.plan.peak_bytes / GIB:.2f} GiB, {rec.plan.step_seconds:.2f} s")
+    assert rec.plan.fits and rec.plan.peak_bytes == hardware.gpu_bytes_needed(rec.plan.tensor_peak_bytes)
+    assert rec.plan.settings.micro_batch * rec.plan.settings.accumulation == 4
+    # on every one of these cards the weights cannot all stay on the GPU with their gradients
+    assert "stream weights from CPU" in rec.techniques
+    if gib == 2:
+        assert rec.plan.peak_bytes <= 2 * GIB
+    with pytest.raises(ValueError, match="Nothing fits"):
+        planner.cheapest_fit("gpt2-xl", 0.5, micro_batch=4, size=1024)

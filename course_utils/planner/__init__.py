@@ -16,17 +16,19 @@ The package, by concern:
 - :mod:`.widget`    tables, charts and the interactive planner of notebook 00
 """
 from .measure import gpt2_spec, measure_on_cpu, measure_spec_data, profile_activations, small_cnn
-from .model import (ATTENTIONS, CATEGORIES, CHECKPOINTING, PRECISIONS, Plan, Settings, make_settings, predict,
-                    predict_settings, step_seconds, technique_notebook)
+from .model import (ATTENTIONS, CATEGORIES, CHECKPOINTING, CPU_STEP_REFERENCE, PRECISIONS, Plan, Settings,
+                    cpu_step_ns, lora_params, make_settings, predict, predict_settings, step_seconds,
+                    technique_notebook)
 from .search import Recommendation, candidate_settings, cheapest_fit
 from .specs import (ActCoeffs, GPUSpec, ModelSpec, custom_gpu, custom_model, get_gpu, get_model, gpu_presets,
                     model_presets, presets)
 from .widget import plan_frame, planner_widget, plot_plans, render
 
 __all__ = [
-    "ATTENTIONS", "CATEGORIES", "CHECKPOINTING", "PRECISIONS", "ActCoeffs", "GPUSpec", "ModelSpec", "Plan",
-    "Recommendation", "Settings", "candidate_settings", "cheapest_fit", "custom_gpu", "custom_model", "get_gpu",
-    "get_model", "gpt2_spec", "gpu_presets", "make_settings", "measure_on_cpu", "measure_spec_data", "model_presets",
-    "plan_frame", "planner_widget", "plot_plans", "predict", "predict_settings", "presets", "profile_activations",
-    "render", "small_cnn", "step_seconds", "technique_notebook",
+    "ATTENTIONS", "CATEGORIES", "CHECKPOINTING", "CPU_STEP_REFERENCE", "PRECISIONS", "ActCoeffs", "GPUSpec",
+    "ModelSpec", "Plan", "Recommendation", "Settings", "candidate_settings", "cheapest_fit", "cpu_step_ns",
+    "custom_gpu", "custom_model", "get_gpu", "get_model", "gpt2_spec", "gpu_presets", "lora_params",
+    "make_settings", "measure_on_cpu", "measure_spec_data", "model_presets", "plan_frame", "planner_widget",
+    "plot_plans", "predict", "predict_settings", "presets", "profile_activations", "render", "small_cnn",
+    "step_seconds", "technique_notebook",
 ]

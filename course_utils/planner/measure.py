@@ -339,6 +339,7 @@ def _describe(data, name, model, blocks, make, u1, overrides, FlopCounterMode):
     params = list(model.parameters())
     ids = {id(p) for b in blocks for p in b.parameters()}
     block_params = [sum(p.numel() for p in b.parameters()) for b in blocks]
+    block_largest = [max((p.numel() for p in b.parameters()), default=0) for b in blocks]
     head_params = sum(p.numel() for p in params if id(p) not in ids)
     data["largest_tensor"] = max(p.numel() for p in params)
     if data["unit"] == "token":
@@ -346,6 +347,7 @@ def _describe(data, name, model, blocks, make, u1, overrides, FlopCounterMode):
         full = config["n_layer"] if family == "gpt2" else (12 if name == "bert-base" else 24)
         data["n_blocks"] = full
         data["block_params"] = block_params[0]
+        data["block_largest"] = block_largest[0]
         data["n_params"] = head_params + full * block_params[0]
         data["fwd_flops_per_unit"] = 2.0 * data["n_params"]
         data["output_per_unit"] = model.config.vocab_size if family == "gpt2" else 0.0
@@ -354,6 +356,7 @@ def _describe(data, name, model, blocks, make, u1, overrides, FlopCounterMode):
     else:
         data["n_blocks"] = len(blocks)
         data["block_params"] = block_params
+        data["block_largest"] = block_largest
         data["n_params"] = head_params + sum(block_params)
         with FlopCounterMode(display=False) as counter:
             model(*make(u1)[0])

@@ -44,9 +44,25 @@ Seconds per optimizer step = compute + optimizer step + PCIe traffic:
   micro-batch costs ``SMALL_BATCH_PENALTY`` = 10% of compute (a busy GPU needs big matrices);
 * optimizer step on the GPU: bytes it reads and writes / GPU memory bandwidth;
 * optimizer (and fp32 master weights) on the CPU: gradients down and weights up over the GPU's
-  PCIe link once per step, plus ``CPU_STEP_NS_PER_PARAM`` = 2 ns per parameter for the CPU's update;
+  PCIe link once per step, plus the CPU's update: ns per parameter of the CPU optimizer
+  (:func:`cpu_step_ns`: notebook 08's measurement on this machine when recorded, else a reference);
 * streaming gradients to the CPU: gradients cross PCIe once per *micro-batch* (counted in full:
   an upper bound, copies can overlap with backward, notebook 06).
+
+The current toolbox (notebook 08; weights streamed: 09), each a toggle of :class:`Settings`:
+
+* ``offload_activations``: what forward saves (or the checkpoints) waits in host memory; the card
+  keeps the block being computed. ``stream_weights``: the weights wait on the host; the card keeps
+  the embedding and head and ``STREAMED_BLOCKS`` blocks (the one computing, the next prefetched).
+  Both copies run on a side stream beside compute, so only the part longer than compute shows:
+  time += max(0, copy time - compute). Offload: saved bytes down in forward, up in backward;
+  streaming: every weight up twice per micro-batch (forward, and backward's recompute).
+* ``chunked_loss``: the loss over ``LOSS_CHUNKS`` chunks of tokens, each checkpointed: one chunk's
+  logits and their fp32 copies at a time, for one more head matmul (2 x vocab x width per token).
+* ``fused_update``: each parameter steps as its gradient completes: one tensor's gradient at a
+  time (plus a tied embedding's, complete only when backward reaches the embedding).
+* ``lora_rank``: frozen weights (no gradients, no state), fp32 rank-r adapters on GPT-2's c_attn,
+  c_proj (both) and c_fc with their optimizer state; compute x 4/6 (no weight gradients).
 """
 from __future__ import annotations
 
@@ -62,8 +78,15 @@ from .specs import GPUSpec, ModelSpec, get_gpu, get_model
 
 MFU = 0.40
 SMALL_BATCH_PENALTY = 0.10
-CHECKPOINT_COMPUTE_FACTOR = 4 / 3
-CPU_STEP_NS_PER_PARAM = 2.0
+LOSS_CHUNKS = 8  # torchtune's default
+STREAMED_BLOCKS = 2
+LORA_WIDTHS_PER_BLOCK = 16  # r x (d + 3d) + r x 2d + r x 5d + r x 5d: GPT-2's c_attn, attn c_proj, c_fc, mlp c_proj
+# The CPU optimizer step, ns per parameter: notebook 08 records the learner's own (section 6) under these names;
+# until then, the reference figures, measured at 2 threads on 2 cores of the course's CI machine.
+CPU_STEP_REFERENCE = {"adamw_fused": 0.9, "torchao_adamw8bit": 1.2, "bnb_adam8bit": 24.5, "adamw_foreach": 4.6}
+CPU_STEP_RECORDED = {"adamw_fused": "cpu_adamw_fused_ns_per_param", "torchao_adamw8bit": "cpu_torchao8bit_ns_per_param",
+                     "bnb_adam8bit": "cpu_bnb8bit_ns_per_param", "adamw_foreach": "cpu_adamw_ns_per_param"}
+CPU_STEP_NOTEBOOK = "08_current_toolbox"
 
 CATEGORIES = MEMORY_CATEGORIES + ("overhead",)  # what measure_memory reports, plus the card's overhead
 CHECKPOINTING = ("none", "block", "sqrt")
@@ -87,6 +110,18 @@ class Settings:
     attention: str = "fused"
     keep_outputs: bool = True  # the usual loop: `outputs = model(...)` lives until backward ends
     device: str = "cuda"
+    offload_activations: bool = False
+    chunked_loss: bool = False
+    fused_update: bool = False
+    lora_rank: int | None = None  # None: every weight trains
+    stream_weights: bool = False
+    cpu_optimizer: str | None = None  # a key of CPU_STEP_REFERENCE; None: fused AdamW, or torchao's 8-bit for adam8bit
+
+    @property
+    def cpu_step_optimizer(self) -> str:
+        if self.cpu_optimizer:
+            return self.cpu_optimizer
+        return "torchao_adamw8bit" if self.optimizer == "adam8bit" else "adamw_fused"
 
     def techniques(self, base: "Settings | None" = None) -> list[str]:
         """The course's techniques this setup uses (relative to ``base`` where given)."""
@@ -98,20 +133,53 @@ class Settings:
         if self.precision.endswith("_amp"):
             out.append(f"mixed precision ({self.precision.split('_')[0]} AMP)")
         elif self.precision in ("fp16", "bf16"):
-            out.append(f"pure {self.precision} weights" + (" + fp32 master weights on CPU" if self.master_on_cpu else " + fp32 master weights"))
+            kept = "frozen weights" if self.lora_rank else "weights + fp32 master weights"
+            out.append(f"pure {self.precision} {kept}" + (" on CPU" if self.master_on_cpu else ""))
         elif self.master_on_cpu:
             out.append("optimizer on CPU")
         if self.optimizer == "adam8bit":
             out.append("8-bit Adam")
         if self.stream_grads:
             out.append("stream gradients to CPU")
+        for flag, name in ((self.stream_weights, "stream weights from CPU"), (self.chunked_loss, "chunked loss"),
+                           (self.offload_activations, "offload activations"),
+                           (self.fused_update, "update fused into backward"),
+                           (self.lora_rank, f"LoRA adapters (rank {self.lora_rank})")):
+            if flag:
+                out.append(name)
         return out
+
+
+def cpu_step_ns(cpu_optimizer: str) -> tuple[float, str]:
+    """(ns per parameter, its source) of a CPU optimizer's step: the learner's own measurement when
+    notebook 08 recorded it (results under the course home), else the reference figure."""
+    if cpu_optimizer not in CPU_STEP_REFERENCE:
+        raise ValueError(f"Unknown CPU optimizer {cpu_optimizer!r}; choose one of {list(CPU_STEP_REFERENCE)}.")
+    from ..results import load_notebook
+
+    try:
+        entry = load_notebook(CPU_STEP_NOTEBOOK).get(CPU_STEP_RECORDED[cpu_optimizer]) or {}
+    except (OSError, ValueError):
+        entry = {}
+    value = entry.get("value")
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+        return float(value), f"measured on this machine by notebook {CPU_STEP_NOTEBOOK} ({entry.get('profile')})"
+    return CPU_STEP_REFERENCE[cpu_optimizer], "reference: 2 cores of the course's CI machine"
+
+
+def lora_params(model: ModelSpec, rank: int) -> int:
+    """Trainable parameters of rank-``rank`` adapters on every block of a GPT-2-shaped model."""
+    return model.n_blocks * rank * LORA_WIDTHS_PER_BLOCK * model.hidden_size
 
 
 def technique_notebook(technique: str) -> str:
     """The course notebook that teaches a technique named by :meth:`Settings.techniques`."""
     t = technique.lower()
-    for key, nb in (("accumulation", "02_gradient_accumulation.ipynb"), ("checkpointing", "03_gradient_checkpointing.ipynb"),
+    for key, nb in (("stream weights", "09_smaller_than_the_model.ipynb"), ("chunked", "08_current_toolbox.ipynb"),
+                    ("offload", "08_current_toolbox.ipynb"), ("fused", "08_current_toolbox.ipynb"),
+                    ("lora", "08_current_toolbox.ipynb"),
+                    ("accumulation", "02_gradient_accumulation.ipynb"),
+                    ("checkpointing", "03_gradient_checkpointing.ipynb"),
                     ("mixed precision", "04_mixed_precision.ipynb"), ("8-bit", "05_8bit_adam.ipynb"),
                     ("stream", "06_capstone_gpt2_xl.ipynb"), ("pure", "06_capstone_gpt2_xl.ipynb"),
                     ("optimizer on cpu", "06_capstone_gpt2_xl.ipynb")):
@@ -190,7 +258,8 @@ _ATTENTION_ALIASES = {"sdpa": "fused", "flash": "fused", "memory_efficient": "fu
 
 def make_settings(model: ModelSpec, *, micro_batch, size=None, accumulation=1, checkpointing="none",
                   precision="fp32", optimizer="adam", master_on_cpu=False, stream_grads=False, attention=None,
-                  keep_outputs=True, device="cuda") -> Settings:
+                  keep_outputs=True, device="cuda", offload_activations=False, chunked_loss=False,
+                  fused_update=False, lora_rank=None, stream_weights=False, cpu_optimizer=None) -> Settings:
     """Check and normalize the knobs; raises ValueError/TypeError saying what to change.
 
     ``attention=None``: 'fused' on CUDA, 'math' on a CPU (which trains attention with dropout on
@@ -205,12 +274,46 @@ def make_settings(model: ModelSpec, *, micro_batch, size=None, accumulation=1, c
     if model.max_size is not None and size > model.max_size:
         raise ValueError(f"{model.name} reads at most {model.max_size} tokens; set the sequence length to "
                          f"{model.max_size} or less (got {size}).")
-    for flag, label in ((master_on_cpu, "master_on_cpu"), (stream_grads, "stream_grads"), (keep_outputs, "keep_outputs")):
+    flags = dict(master_on_cpu=master_on_cpu, stream_grads=stream_grads, keep_outputs=keep_outputs,
+                 offload_activations=offload_activations, chunked_loss=chunked_loss, fused_update=fused_update,
+                 stream_weights=stream_weights)
+    for label, flag in flags.items():
         if not isinstance(flag, bool):
             raise TypeError(f"{label} must be True or False, not {flag!r}.")
+    if lora_rank is not None:
+        lora_rank = positive_int(lora_rank, "lora_rank", "e.g. 8, or None to train every weight", whole_floats=True)
     if stream_grads and not master_on_cpu:
         raise ValueError("stream_grads=True accumulates gradients on the CPU and steps there: "
                          "turn on master_on_cpu=True as well.")
+    if stream_weights and not master_on_cpu:
+        raise ValueError("stream_weights=True keeps the weights on the host, so their fp32 master copy and the "
+                         "optimizer live there too: turn on master_on_cpu=True as well.")
+    if fused_update and accumulation > 1:
+        raise ValueError(f"fused_update=True steps every parameter in each backward, so gradients cannot accumulate "
+                         f"over {accumulation} micro-batches: set accumulation=1 (one larger micro-batch) or "
+                         "fused_update=False.")
+    if fused_update and master_on_cpu:
+        raise ValueError("With the optimizer on the CPU, the update fused into backward is stream_grads=True: "
+                         "use that, and set fused_update=False.")
+    if chunked_loss and not model.output_per_unit:
+        raise ValueError(f"chunked_loss chunks a language model's vocabulary head; {model.name} has none: "
+                         "set chunked_loss=False.")
+    if lora_rank is not None and not (model.family == "transformer" and model.output_per_unit):
+        raise ValueError(f"lora_rank prices adapters on GPT-2's c_attn, c_proj and c_fc; {model.name} is not a "
+                         "GPT-2: use a GPT-2 preset (or gpt2_spec), or lora_rank=None.")
+    if lora_rank is not None and master_on_cpu:
+        raise ValueError("With LoRA only the small adapters train and their optimizer stays on the GPU: set "
+                         "master_on_cpu=False (and stream_grads, stream_weights False), or lora_rank=None.")
+    optimizer = normalize_optimizer(optimizer)
+    if cpu_optimizer is not None:
+        if cpu_optimizer not in CPU_STEP_REFERENCE:
+            raise ValueError(f"Unknown cpu_optimizer {cpu_optimizer!r}; choose one of {list(CPU_STEP_REFERENCE)}.")
+        if not master_on_cpu:
+            raise ValueError("cpu_optimizer names the optimizer on the CPU: turn on master_on_cpu=True, or leave "
+                             "cpu_optimizer=None.")
+        if ("8bit" in cpu_optimizer) != (optimizer == "adam8bit"):
+            raise ValueError(f"cpu_optimizer={cpu_optimizer!r} keeps {'8-bit' if '8bit' in cpu_optimizer else 'fp32'} "
+                             f"state but optimizer={optimizer!r}: choose a CPU optimizer with the same state.")
     if device not in DEVICES:
         raise ValueError(f"device must be 'cuda' or 'cpu', not {device!r}.")
     attention = ("fused" if device == "cuda" else "math") if attention is None else _choice(
@@ -221,8 +324,8 @@ def make_settings(model: ModelSpec, *, micro_batch, size=None, accumulation=1, c
     return Settings(micro_batch=micro_batch, size=size, accumulation=accumulation,
                     checkpointing=_choice(checkpointing, "checkpointing", CHECKPOINTING, _CKPT_ALIASES),
                     precision=_choice(precision, "precision", PRECISIONS, _PRECISION_ALIASES),
-                    optimizer=normalize_optimizer(optimizer), master_on_cpu=master_on_cpu, stream_grads=stream_grads,
-                    attention=attention, keep_outputs=keep_outputs, device=device)
+                    optimizer=optimizer, attention=attention, device=device, lora_rank=lora_rank,
+                    cpu_optimizer=cpu_optimizer, **flags)
 
 
 def _units(model: ModelSpec, size: int) -> float:
@@ -238,23 +341,50 @@ def _at(c, u):
     return lin * u + quad * u * u
 
 
-def predict(model, gpu="RTX 3060 (12 GB)", *, micro_batch, size=None, accumulation=1, checkpointing="none",
-            precision="fp32", optimizer="adam", master_on_cpu=False, stream_grads=False, attention=None,
-            keep_outputs=True, device: str = "cuda") -> Plan:
+def predict(model, gpu="RTX 3060 (12 GB)", **settings) -> Plan:
     """Predict one training step's peak GPU memory by category; see the module docstring.
 
-    ``attention``: 'fused' (PyTorch's SDPA kernels; the default on CUDA) or 'math'.
+    ``settings``: the knobs of :func:`make_settings` (``micro_batch`` is required), e.g.
+    ``attention``: 'fused' (PyTorch's SDPA kernels; the default on CUDA) or 'math';
     ``keep_outputs=False``: the loop drops the outputs before backward (``loss = model(...).loss``),
-    so the logits are freed. ``device='cpu'`` predicts for a CPU run instead (no overhead, the
-    CPU's kernels, per-tensor Adam scratch): the validation against ``measure_memory`` uses it.
+    so the logits are freed; ``device='cpu'`` predicts for a CPU run instead (no overhead, the
+    CPU's kernels, per-tensor Adam scratch): the validation against ``measure_memory`` uses it;
+    the toggles of notebooks 08-09: ``offload_activations``, ``chunked_loss``, ``fused_update``,
+    ``lora_rank``, ``stream_weights`` (and ``cpu_optimizer`` with ``master_on_cpu``).
     """
     model = get_model(model)
-    gpu = get_gpu(gpu)
-    s = make_settings(model, micro_batch=micro_batch, size=size, accumulation=accumulation,
-                      checkpointing=checkpointing, precision=precision, optimizer=optimizer,
-                      master_on_cpu=master_on_cpu, stream_grads=stream_grads, attention=attention,
-                      keep_outputs=keep_outputs, device=device)
-    return predict_settings(model, gpu, s)
+    return predict_settings(model, get_gpu(gpu), make_settings(model, **settings))
+
+
+def _activations(model: ModelSpec, s: Settings) -> dict:
+    """Per micro-batch bytes of what forward saves (stem, each block, head), kept, and the loss's temporaries."""
+    half, amp = s.precision in ("fp16", "bf16"), s.precision.endswith("_amp")
+    c = model.coeffs(s.device, s.attention, "half" if half else "amp" if amp else "fp32")
+    B, u, nb = s.micro_batch, _units(model, s.size), model.n_blocks
+    extra = B * u * 4 * 4 * s.lora_rank if s.lora_rank else 0  # each adapter saves x A^T (r fp32 values per token)
+    a = dict(block=[B * _at(c.block[i], u) + extra for i in range(nb)],
+             bnd=[B * c.boundary[i] * u for i in range(nb)],
+             largest=[B * max(c.largest[i][0] * u, c.largest[i][1] * u * u) for i in range(nb)],
+             stem=B * _at(c.stem, u))
+    vocab = model.output_per_unit
+    if s.chunked_loss:  # the model returns hidden states; one chunk's logits, log-softmax and 2 gradients at a time
+        a["head"] = B * (_at(c.head, u) - 4 * vocab * u)
+        chunk = math.ceil(B * u / LOSS_CHUNKS)
+        a["loss"] = chunk * vocab * ((2 if half or amp else 4) + 4 + 8)
+    else:
+        a["head"] = B * (_at(c.head, u) + (_at(c.output, u) if s.keep_outputs else 0.0))
+        a["loss"] = B * 8 * vocab * u  # d(loss)/d(logits) in fp32, twice
+    if s.checkpointing == "none":
+        a["segments"] = [[i] for i in range(nb)]
+        a["kept"] = list(a["block"])
+    else:
+        size_seg = 1 if s.checkpointing == "block" else max(1, math.ceil(nb / max(1, math.ceil(math.sqrt(nb)))))
+        a["segments"] = [list(range(i, min(nb, i + size_seg))) for i in range(0, nb, size_seg)]
+        a["kept"] = [0.0] * nb
+        for seg in a["segments"]:
+            a["kept"][seg[0]] = a["bnd"][seg[0]]
+    a["saved"] = a["stem"] + a["head"] + sum(a["kept"])  # what offloading sends to the host and back
+    return a
 
 
 def predict_settings(model: ModelSpec, gpu: GPUSpec, s: Settings) -> Plan:
@@ -262,16 +392,20 @@ def predict_settings(model: ModelSpec, gpu: GPUSpec, s: Settings) -> Plan:
     n = model.n_params
     half = s.precision in ("fp16", "bf16")
     amp = s.precision.endswith("_amp")
-    kind = "half" if half else "amp" if amp else "fp32"
-    c = model.coeffs(s.device, s.attention, kind)
     w = 2 if half else 4  # bytes per parameter and per gradient on the GPU
-    B, u = s.micro_batch, _units(model, s.size)
     nb = model.n_blocks
+    lora = s.lora_rank is not None
+    n_train = lora_params(model, s.lora_rank) if lora else n
+    adapter = n_train // (8 * nb) if lora else 0  # one adapter matrix (A or B), about
+    gw = 4 if lora else w  # bytes per trainable gradient (adapters: fp32)
 
     # persistent state
-    params = n * w
+    resident = model.head_params + sum(sorted(model.block_params)[-STREAMED_BLOCKS:]) if s.stream_weights else n
+    params = resident * w + (4 * n_train if lora else 0)
     if s.master_on_cpu:
         optimizer = 0
+    elif lora:
+        optimizer = optimizer_state_bytes(n_train, s.optimizer, param_dtype="fp32", tensor_sizes=[adapter] * 8 * nb)
     else:
         state_dtype = "fp32" if (half or w == 4) else "fp16"
         sizes = [model.largest_tensor] + [max(1, (n - model.largest_tensor) // max(nb, 1))] * max(nb, 1)
@@ -280,55 +414,56 @@ def predict_settings(model: ModelSpec, gpu: GPUSpec, s: Settings) -> Plan:
             optimizer += 4 * n  # fp32 master weights on the GPU
     weight_copies = 2 * n if amp else 0  # autocast's fp16/bf16 copies of the weights (kept for backward)
 
-    grads_of = [bp * w for bp in model.block_params]
-    g_head = model.head_params * w
-    g_all = n * w
-    g_live = max(max(grads_of, default=0), model.largest_tensor * w)  # streaming: about one block's gradients
-    acts_block = [B * _at(c.block[i], u) for i in range(nb)]
-    bnd = [B * c.boundary[i] * u for i in range(nb)]
-    largest = [B * max(c.largest[i][0] * u, c.largest[i][1] * u * u) for i in range(nb)]
-    head = B * (_at(c.head, u) + (_at(c.output, u) if s.keep_outputs else 0.0))
-    stem = B * _at(c.stem, u)  # saved before the first block: alive until backward ends
-    loss_temps = B * 8 * model.output_per_unit * u  # d(loss)/d(logits) in fp32, twice
-
-    # what forward keeps, block by block, depending on checkpointing
-    if s.checkpointing == "none":
-        segments = [[i] for i in range(nb)]
-        kept = list(acts_block)
-    else:
-        size_seg = 1 if s.checkpointing == "block" else max(1, math.ceil(nb / max(1, math.ceil(math.sqrt(nb)))))
-        segments = [list(range(i, min(nb, i + size_seg))) for i in range(0, nb, size_seg)]
-        kept = [0.0] * nb
-        for seg in segments:
-            kept[seg[0]] = bnd[seg[0]]
+    a = _activations(model, s)
+    grads_of = [gw * n_train // nb] * nb if lora else [bp * w for bp in model.block_params]
+    g_head = 0 if lora else model.head_params * w
+    g_all = n_train * gw
+    # fused update, streamed gradients: one tensor's gradient, and a tied embedding's (complete only when backward
+    # reaches the embedding)
+    g_one = [gw * adapter if lora else model.largest_in_block(i) * w for i in range(nb)]
+    tied = model.largest_tensor * w if model.output_per_unit and not lora else 0
+    adam = not s.master_on_cpu and s.optimizer in ("adam", "adamw")
+    per_tensor_scratch = (1 if s.device == "cuda" else 2) * (4 if half or lora else w) if adam else 0
+    off = s.offload_activations
+    stem = 0 if off else a["stem"]
+    kept = [0.0] * nb if off else a["kept"]
     grads_before = 0 if (s.stream_grads or s.accumulation == 1) else g_all
 
-    phases = {"at the start of backward": dict(grads=grads_before, activations=stem + head + sum(kept),
-                                               other=loss_temps + weight_copies)}
+    phases = {"at the start of backward": dict(grads=grads_before, activations=stem + a["head"] + sum(kept),
+                                               other=a["loss"] + weight_copies)}
     done_grads = g_head if not s.stream_grads else 0
     best = dict(grads=0, activations=0, other=0)
-    for seg in reversed(segments):  # block by block, last to first
+    for seg in reversed(a["segments"]):  # block by block, last to first
         alive_before = sum(kept[:seg[0]])
         for i in reversed(seg):
             if grads_before:
                 g_now = g_all
+            elif s.fused_update or s.stream_grads:  # the same hook: each gradient leaves as soon as it is complete
+                g_now = tied + g_one[i]
             else:
-                g_now = g_live if s.stream_grads else done_grads + grads_of[i]
-            live_acts = stem + (alive_before + sum(acts_block[j] for j in seg if j <= i) if s.checkpointing != "none"
-                                else sum(acts_block[: i + 1]))
-            cand = dict(grads=g_now, activations=live_acts, other=2 * largest[i] + weight_copies)
+                g_now = done_grads + grads_of[i]
+            if s.checkpointing != "none":
+                live_acts = stem + alive_before + sum(a["block"][j] for j in seg if j <= i)
+            else:  # offloaded: only this block's saved tensors come back
+                live_acts = stem + (a["block"][i] if off else sum(a["block"][: i + 1]))
+            other = 2 * a["largest"][i] + weight_copies + (per_tensor_scratch * g_one[i] / gw if s.fused_update else 0)
+            cand = dict(grads=g_now, activations=live_acts, other=other)
             if sum(cand.values()) > sum(best.values()):
                 best = cand
             if not s.stream_grads:
                 done_grads += grads_of[i]
     phases["in backward"] = best
-    if s.master_on_cpu or s.optimizer not in ("adam", "adamw"):
-        scratch = 0
-    elif s.device == "cuda":
-        scratch = n * (4 if half else w)
-    else:
-        scratch = 2 * model.largest_tensor * (4 if half else w)
-    if not s.stream_grads:
+    if s.fused_update:  # the largest tensor steps last (GPT-2's tied embedding) or in its block
+        biggest = max(tied // w if tied else 0, max(g_one) // gw)
+        phases["stepping the largest tensor"] = dict(grads=biggest * gw, activations=stem,
+                                                     other=per_tensor_scratch * biggest)
+    elif not s.stream_grads:
+        if not adam:
+            scratch = 0
+        elif s.device == "cuda":
+            scratch = n_train * (4 if half or lora else w)
+        else:
+            scratch = 2 * (adapter if lora else model.largest_tensor) * (4 if half or lora else w)
         phases["in optimizer.step()"] = dict(grads=g_all, activations=0, other=scratch)
     phase = max(phases, key=lambda k: sum(phases[k].values()))
     dyn = phases[phase]
@@ -342,6 +477,9 @@ def predict_settings(model: ModelSpec, gpu: GPUSpec, s: Settings) -> Plan:
         notes.append("attention: " + ("PyTorch's fused SDPA kernel (flash for fp16/bf16, memory-efficient for fp32): "
                                       "no T x T tensors" if s.attention == "fused" else
                                       "math path (T x T probabilities, dropout mask and dropped probabilities kept)"))
+    if s.master_on_cpu:
+        ns, source = cpu_step_ns(s.cpu_step_optimizer)
+        notes.append(f"CPU optimizer step: {s.cpu_step_optimizer}, {ns:.2f} ns/parameter ({source})")
     return Plan(model=model, gpu=gpu, settings=s, by_category=by_cat, phase=phase,
                 step_seconds=step_seconds(model, gpu, s), notes=notes)
 
@@ -354,23 +492,32 @@ def step_seconds(model: ModelSpec, gpu: GPUSpec, s: Settings) -> float:
         flops = 6.0 * model.n_params * u * samples
     else:
         flops = 3.0 * model.fwd_flops_per_unit * u * samples
+    # of 6 FLOPs per parameter and token: forward 2, input gradients 2, weight gradients 2 (none with LoRA);
+    # checkpointing adds a forward (2)
+    flops *= (6 - 2 * (s.lora_rank is not None) + 2 * (s.checkpointing != "none")) / 6
+    if s.chunked_loss:  # each chunk's logits again in backward
+        flops += 2 * model.output_per_unit * model.hidden_size * u * samples
     half = s.precision != "fp32"
     if s.precision.startswith("bf16") and not gpu.bf16:
         tflops = gpu.fp32_tflops / 4  # emulated bf16 (a T4 says it supports bf16: slowly)
     else:
         tflops = gpu.half_tflops if half else gpu.fp32_tflops
     compute = flops / (tflops * 1e12 * MFU)
-    if s.checkpointing != "none":
-        compute *= CHECKPOINT_COMPUTE_FACTOR
     compute *= 1 + SMALL_BATCH_PENALTY * max(0.0, math.log2(max(1, s.accumulation)))
     n = model.n_params
     w = 2 if s.precision in ("fp16", "bf16") else 4
     if s.master_on_cpu:
         grad_trips = s.accumulation if s.stream_grads else 1
         pcie = (n * w * grad_trips + n * w) / (gpu.pcie_gbs * 1e9)
-        opt = pcie + n * CPU_STEP_NS_PER_PARAM * 1e-9
+        opt = pcie + n * cpu_step_ns(s.cpu_step_optimizer)[0] * 1e-9
     else:
         state = {"sgd": 0, "sgd_momentum": 4, "adam": 8, "adamw": 8, "adam8bit": 2}[s.optimizer]
-        touched = n * (2 * w + 2 * state + (8 if w == 2 else 0))
+        if s.lora_rank is not None:
+            touched = lora_params(model, s.lora_rank) * (4 + 4 + 2 * state)
+        else:
+            touched = n * (2 * w + 2 * state + (8 if w == 2 else 0))
         opt = touched / (gpu.mem_bandwidth_gbs * 1e9)
-    return compute + opt
+    # side-stream copies beside compute: only the part longer than compute shows
+    copies = s.accumulation * (2 * _activations(model, s)["saved"] * s.offload_activations
+                               + 2 * n * w * s.stream_weights)
+    return compute + opt + max(0.0, copies / (gpu.pcie_gbs * 1e9) - compute)

@@ -1,10 +1,12 @@
 """The search: the cheapest set of the course's techniques that fits a GPU.
 
 Every combination of smaller micro-batches (more accumulation steps), checkpointing, lower
-precision, 8-bit Adam, the optimizer and fp32 master weights on the CPU and streamed gradients
-is predicted (:func:`.model.predict_settings`); of those that fit, the one with the lowest
-predicted time per optimizer step wins (ties: fewer techniques). The device, the attention and
-the loop (``keep_outputs``) stay as given: they describe the run, they are not techniques.
+precision, 8-bit Adam, the optimizer and fp32 master weights on the CPU, streamed gradients and
+notebooks 08-09's toggles (offloaded activations, chunked loss, the update fused into backward,
+weights streamed from the CPU) is predicted (:func:`.model.predict_settings`); of those that fit,
+the one with the lowest predicted time per optimizer step wins (ties: fewer techniques). The device,
+the attention, the loop (``keep_outputs``) and the goal (``lora_rank``: adapters or every weight)
+stay as given.
 """
 from __future__ import annotations
 
@@ -43,46 +45,51 @@ class Recommendation:
     __str__ = summary
 
 
-def candidate_settings(base: Settings, gpu: GPUSpec):
-    """Every combination the search tries, from the user's ``base`` settings."""
+def candidate_settings(base: Settings, gpu: GPUSpec, model=None):
+    """Every combination the search tries, from the user's ``base`` settings (``model``: a ModelSpec, for the
+    toggles that depend on it: the chunked loss needs a vocabulary head)."""
     splits = [f for f in (1, 2, 4, 8, 16, 32, 64, 128) if f <= base.micro_batch and base.micro_batch % f == 0]
     precisions = [base.precision]
     for p in (("bf16_amp", "bf16") if gpu.bf16 else ("fp16_amp", "fp16")):
         if base.precision == "fp32" or (base.precision.endswith("_amp") and p in ("fp16", "bf16")):
             precisions.append(p)
-    optimizers = [base.optimizer] + (["adam8bit"] if base.optimizer in ("adam", "adamw") else [])
+    optimizers = [base.optimizer] + (["adam8bit"] if base.optimizer in ("adam", "adamw") and not base.cpu_optimizer
+                                     else [])
     ckpts = [base.checkpointing] if base.checkpointing != "none" else list(CHECKPOINTING)
     offloads = [(base.master_on_cpu, base.stream_grads)] + [
         o for o in ((True, False), (True, True)) if o != (base.master_on_cpu, base.stream_grads) and
-        (not base.master_on_cpu or o[0]) and (not base.stream_grads or o[1])]
-    for f, p, o, c, (m, st) in itertools.product(splits, precisions, optimizers, ckpts, offloads):
-        yield replace(base, micro_batch=base.micro_batch // f, accumulation=base.accumulation * f,
-                      precision=p, optimizer=o, checkpointing=c, master_on_cpu=m, stream_grads=st)
+        (not base.master_on_cpu or o[0]) and (not base.stream_grads or o[1]) and base.lora_rank is None]
+    chunked = {base.chunked_loss, bool(model is not None and model.output_per_unit)}
+    for f, p, o, c, (m, st), off, ch, fu, sw in itertools.product(
+            splits, precisions, optimizers, ckpts, offloads, {base.offload_activations, True}, chunked,
+            {base.fused_update, True}, {base.stream_weights, True}):
+        acc = base.accumulation * f
+        if (fu and (acc > 1 or m)) or (sw and not m) or (base.cpu_optimizer and not m):
+            continue  # combinations make_settings refuses
+        yield replace(base, micro_batch=base.micro_batch // f, accumulation=acc, precision=p, optimizer=o,
+                      checkpointing=c, master_on_cpu=m, stream_grads=st, offload_activations=off, chunked_loss=ch,
+                      fused_update=fu, stream_weights=sw)
 
 
-def cheapest_fit(model, gpu="RTX 3060 (12 GB)", *, micro_batch, size=None, accumulation=1, checkpointing="none",
-                 precision="fp32", optimizer="adam", master_on_cpu=False, stream_grads=False, attention=None,
-                 keep_outputs=True) -> Recommendation:
+def cheapest_fit(model, gpu="RTX 3060 (12 GB)", **settings) -> Recommendation:
     """The set of the course's techniques that fits ``gpu`` at the lowest predicted step time.
 
     The effective batch (micro_batch x accumulation) is kept; the search may split the
     micro-batch (more accumulation steps), checkpoint, lower the precision, switch Adam to 8-bit
-    Adam, move the optimizer and fp32 master weights to the CPU and stream gradients there.
+    Adam, move the optimizer and fp32 master weights to the CPU and stream gradients there, and
+    turn on notebooks 08-09's toggles. ``settings``: the knobs of :func:`.model.make_settings`.
     "Fits" means tensors + allocator reserve + CUDA context fit the card. Ties go to fewer
     techniques. Raises ValueError when nothing fits, saying what to change.
     """
     model = get_model(model)
     gpu = get_gpu(gpu)
-    base = make_settings(model, micro_batch=micro_batch, size=size, accumulation=accumulation,
-                         checkpointing=checkpointing, precision=precision, optimizer=optimizer,
-                         master_on_cpu=master_on_cpu, stream_grads=stream_grads, attention=attention,
-                         keep_outputs=keep_outputs)
+    base = make_settings(model, **settings)
     baseline = predict_settings(model, gpu, base)
     if baseline.fits:  # nothing to turn on; faster options are the learner's choice
         return Recommendation(plan=baseline, baseline=baseline, techniques=[], notebooks={}, slowdown=1.0,
                               candidates=1)
     best, count, smallest = None, 0, None
-    for s in candidate_settings(base, gpu):
+    for s in candidate_settings(base, gpu, model):
         count += 1
         p = predict_settings(model, gpu, s)
         if smallest is None or p.peak_bytes < smallest.peak_bytes:

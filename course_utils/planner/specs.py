@@ -8,6 +8,7 @@ each model's parameter counts and activation coefficients, measured by :mod:`.me
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
@@ -152,6 +153,15 @@ class ModelSpec:
     ref_size: int = 1  # reference image size for vision models (u = (size/ref)**2)
     default_size: int = 1  # default sequence length or image size
     max_size: int | None = None  # longest sequence the model reads (transformers)
+    block_largest: tuple = ()  # numel of each block's largest parameter (default: the whole block)
+
+    def largest_in_block(self, i: int) -> int:
+        return self.block_largest[i] if self.block_largest else self.block_params[i]
+
+    @property
+    def hidden_size(self) -> int:
+        """A transformer's width d, from its block's 12 d**2 + 13 d parameters (GPT-2 and BERT)."""
+        return round((-13 + math.sqrt(169 + 48 * max(self.block_params))) / 24)
 
     @property
     def n_blocks(self) -> int:
@@ -248,9 +258,10 @@ def spec_from_data(name: str, d: dict) -> ModelSpec:
                                             tuple(_pair(x) for x in c["largest"]))
             acts[pricing][kind] = ActCoeffs(block=block, boundary=boundary, largest=largest, head=_pair(c["head"]),
                                             stem=_pair(c.get("stem", (0, 0))), output=_pair(c.get("output", (0, 0))))
-    bp = d["block_params"]
+    bp, bl = d["block_params"], d.get("block_largest", ())
     block_params = _uniform(n, bp) if isinstance(bp, int) else tuple(bp)
+    block_largest = _uniform(n, bl) if isinstance(bl, int) else tuple(bl)
     return ModelSpec(name=name, family=d["family"], n_params=d["n_params"], block_params=block_params,
                      largest_tensor=d["largest_tensor"], acts=acts, output_per_unit=d["output_per_unit"],
                      fwd_flops_per_unit=d["fwd_flops_per_unit"], unit=d["unit"], ref_size=d.get("ref_size", 1),
-                     default_size=d.get("default_size", 1), max_size=d.get("max_size"))
+                     default_size=d.get("default_size", 1), max_size=d.get("max_size"), block_largest=block_largest)
