@@ -23,10 +23,8 @@ def seed_everything(seed: int = 0) -> None:
 
 
 def setup(notebook: str, *, seed: int = 0) -> str:
-    """First call of every notebook: name it for ``results.record``, seed, style plots, print the banner.
-
-    Returns the course profile ('smoke' or 'full').
-    """
+    """First call of every notebook: name it for ``results.record``, seed, style plots, print the banner; returns
+    the course profile ('smoke' or 'full')."""
     results.set_notebook(notebook)
     seed_everything(seed)
     try:
@@ -37,8 +35,6 @@ def setup(notebook: str, *, seed: int = 0) -> str:
         pass
     print(hardware.banner())
     if hardware.in_colab() and hardware.device_type() != "cuda":
-        print(
-            "[course] No GPU attached. On Colab: Runtime > Change runtime type > T4 GPU, then re-run. "
-            "Every notebook also runs on the CPU in profile 'smoke'."
-        )
+        print("[course] No GPU attached. On Colab: Runtime > Change runtime type > T4 GPU, then re-run. "
+              "Every notebook also runs on the CPU in profile 'smoke'.")
     return hardware.course_profile()

@@ -12,8 +12,10 @@ import os
 import re
 from dataclasses import dataclass, field
 
+from .hardware import CUDA_CONTEXT_BYTES
 from .paths import data_file
 from .units import GIB, KIB, MIB
+from .validation import byte_counts
 
 # The constants at the top of CUDACachingAllocator.cpp
 K_MIN_BLOCK_SIZE = 512        # kMinBlockSize: all sizes are rounded to at least 512 bytes
@@ -84,22 +86,16 @@ class CachingAllocator:
     _reserved: int = 0
 
     def __post_init__(self):
-        for name in ("capacity", "max_split_size"):
-            value = getattr(self, name)
+        for name, value in (("capacity", self.capacity), ("max_split_size", self.max_split_size)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
                 raise ValueError(f"{name} must be a positive number of bytes or None, not {value!r}.")
         if not isinstance(self.expandable_segments, bool):
             raise TypeError(f"expandable_segments must be True or False, not {self.expandable_segments!r}.")
 
-    @property
-    def allocated(self) -> int:
-        """memory_allocated(): bytes of allocated blocks (rounded sizes and unsplit remainders included)."""
-        return self._allocated
-
-    @property
-    def reserved(self) -> int:
-        """memory_reserved(): bytes of all segments, allocated or cached."""
-        return self._reserved
+    # memory_allocated(): bytes of allocated blocks (rounded sizes and unsplit remainders included);
+    # memory_reserved(): bytes of all segments, allocated or cached
+    allocated = property(lambda self: self._allocated)
+    reserved = property(lambda self: self._reserved)
 
     def memory_stats(self) -> dict:
         """A few of torch.cuda.memory_stats()'s counters, under the same names."""
@@ -112,8 +108,7 @@ class CachingAllocator:
 
     def malloc(self, nbytes: int, key=None) -> Block:
         """malloc(): a cached block, else a new segment, else free cached segments and retry, else OOM."""
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
-            raise ValueError(f"nbytes must be a whole number of bytes >= 0, not {nbytes!r}.")
+        byte_counts(nbytes=nbytes)
         key = len(self.events) if key is None else key
         if key in self.live:
             raise ValueError(f"key {key!r} is already allocated; free it first or use a new key.")
@@ -286,8 +281,7 @@ class CachingAllocator:
 
 def options_from_env(conf: str | None = None) -> dict:
     """CachingAllocator options from PYTORCH_CUDA_ALLOC_CONF, e.g. 'expandable_segments:True,max_split_size_mb:128'."""
-    if conf is None:
-        conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", os.environ.get("PYTORCH_ALLOC_CONF", ""))
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", os.environ.get("PYTORCH_ALLOC_CONF", "")) if conf is None else conf
     settings = dict(item.split(":", 1) for item in conf.replace(" ", "").split(",") if ":" in item)
     options = {"expandable_segments": True} if settings.get("expandable_segments", "").lower() == "true" else {}
     if settings.get("max_split_size_mb", "").isdigit():
@@ -380,7 +374,7 @@ class OomMessage:
         """Reserved by PyTorch but not allocated: cached blocks, pieces of partly used segments."""
         return self.reserved - self.allocated
 
-    def others(self, context_bytes: int = 512 * MIB) -> int:
+    def others(self, context_bytes: int = CUDA_CONTEXT_BYTES) -> int:
         """Bytes the card gives to anything but this process: total - free - this process. Older messages do not
         say what this process holds; there it is its reserved memory plus an estimated CUDA context."""
         mine = self.this_process if self.this_process is not None else self.reserved + context_bytes

@@ -1,22 +1,18 @@
-"""Claim checks and exercise checkers.
-
-A *claim check* turns a sentence of the lesson ("checkpointing cuts activation memory to a
-quarter") into an assertion: if a cell's measurement stops supporting the sentence, the
-notebook fails under nbval and says what was expected and what was measured.
-"""
+"""Claim checks (a sentence of the lesson as an assertion: the notebook fails under nbval, saying what was expected
+and what was measured, when a measurement stops supporting it), predictions and exercise checkers."""
 from __future__ import annotations
 
+import contextlib
+import io
 import math
 import operator
 from typing import Any, Callable
 
+from .validation import callable_arg
+
 _OPS: dict[str, tuple[Callable[[Any, Any], bool], str]] = {
-    "<=": (operator.le, "at most"),
-    "<": (operator.lt, "below"),
-    ">=": (operator.ge, "at least"),
-    ">": (operator.gt, "above"),
-    "==": (operator.eq, "exactly"),
-}
+    "<=": (operator.le, "at most"), "<": (operator.lt, "below"), ">=": (operator.ge, "at least"),
+    ">": (operator.gt, "above"), "==": (operator.eq, "exactly")}
 
 
 class ClaimError(AssertionError):
@@ -32,14 +28,11 @@ def claim(claim_text: str, measured, op: str, expected, *, unit: str = "") -> No
     for label, value in (("measured", measured), ("expected", expected)):
         if isinstance(value, float) and math.isnan(value):
             raise ClaimError(f"Claim failed: {claim_text}. The {label} value is NaN.")
-    compare, words = _OPS[op]
+    (compare, words), suffix = _OPS[op], f" {unit}" if unit else ""
     if not compare(measured, expected):
-        suffix = f" {unit}" if unit else ""
-        raise ClaimError(
-            f"Claim failed: {claim_text}. Expected {words} {_fmt(expected)}{suffix}, "
-            f"measured {_fmt(measured)}{suffix}."
-        )
-    print(f"✓ {claim_text}: {_fmt(measured)}{' ' + unit if unit else ''} ({words} {_fmt(expected)})")
+        raise ClaimError(f"Claim failed: {claim_text}. Expected {words} {_fmt(expected)}{suffix}, "
+                         f"measured {_fmt(measured)}{suffix}.")
+    print(f"✓ {claim_text}: {_fmt(measured)}{suffix} ({words} {_fmt(expected)})")
 
 
 def claim_close(claim_text: str, measured: float, expected: float, *, rel_tol: float = 0.1, unit: str = "") -> None:
@@ -49,10 +42,8 @@ def claim_close(claim_text: str, measured: float, expected: float, *, rel_tol: f
     error = abs(measured - expected) / max(abs(expected), 1e-30)
     suffix = f" {unit}" if unit else ""
     if not error <= rel_tol:
-        raise ClaimError(
-            f"Claim failed: {claim_text}. Expected {_fmt(expected)}{suffix} within {rel_tol:.0%}, "
-            f"measured {_fmt(measured)}{suffix} ({error:.1%} off)."
-        )
+        raise ClaimError(f"Claim failed: {claim_text}. Expected {_fmt(expected)}{suffix} within {rel_tol:.0%}, "
+                         f"measured {_fmt(measured)}{suffix} ({error:.1%} off).")
     print(f"✓ {claim_text}: {_fmt(measured)}{suffix} vs {_fmt(expected)}{suffix} ({error:.1%} off)")
 
 
@@ -65,11 +56,9 @@ def check_exercise(name: str, learner_value, reference_value, *, rel_tol: float 
     except (TypeError, ValueError) as err:
         print(f"✗ {name}: your answer could not be compared with the reference ({err}).")
         return False
-    if ok:
-        print(f"✓ {name}: correct ({_fmt(learner_value)}).")
-    else:
-        tol = f" within {rel_tol:.3g} (relative)" if rel_tol else ""
-        print(f"✗ {name}: expected {_fmt(reference_value)}{tol}, got {_fmt(learner_value)}." + (f" Hint: {hint}" if hint else ""))
+    tol = f" within {rel_tol:.3g} (relative)" if rel_tol else ""
+    print(f"✓ {name}: correct ({_fmt(learner_value)})." if ok else
+          f"✗ {name}: expected {_fmt(reference_value)}{tol}, got {_fmt(learner_value)}." + (f" Hint: {hint}" if hint else ""))
     return ok
 
 
@@ -94,9 +83,7 @@ def _matches(a, b, rel_tol: float) -> bool:
 
 def _fmt(value) -> str:
     if isinstance(value, float):
-        if value != 0 and (abs(value) < 1e-3 or abs(value) >= 1e6):
-            return f"{value:.3g}"
-        return f"{value:.4g}"
+        return f"{value:.3g}" if value != 0 and (abs(value) < 1e-3 or abs(value) >= 1e6) else f"{value:.4g}"
     if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10_000:
         return f"{value:,}"
     return repr(value) if isinstance(value, str) else str(value)
@@ -117,10 +104,8 @@ def compare_prediction(name: str, predicted, measured, *, unit: str = "", why_of
         raise TypeError(f"Prediction '{name}' must be a number (in {unit or 'the unit asked'}), not {predicted!r}.")
     if isinstance(measured, bool) or not isinstance(measured, (int, float)):
         raise TypeError(f"measured must be a number, not {measured!r}.")
-    error = (predicted - measured) / max(abs(measured), 1e-30)
-    suffix = f" {unit}" if unit else ""
-    direction = "too high" if error > 0 else "too low"
-    verdict = "spot on" if abs(error) < 0.02 else f"{abs(error):.0%} {direction}"
+    error, suffix = (predicted - measured) / max(abs(measured), 1e-30), f" {unit}" if unit else ""
+    verdict = "spot on" if abs(error) < 0.02 else f"{abs(error):.0%} {'too high' if error > 0 else 'too low'}"
     print(f"Prediction ({name}): {_fmt(predicted)}{suffix} | measured: {_fmt(measured)}{suffix} | {verdict}")
     if abs(error) > close_enough and why_off:
         print(f"  The usual reason for a miss: {why_off}")
@@ -136,15 +121,8 @@ def prediction_count() -> int:
 
 def checker_rejects(checker: Callable[..., bool], *wrong_answers) -> bool:
     """True when ``checker`` returns False for every one of ``wrong_answers`` (plausible mistakes)."""
-    if not callable(checker):
-        raise TypeError(f"checker must be the exercise's check function, not {type(checker).__name__}.")
+    callable_arg(checker, "checker", "the exercise's check function")
     if not wrong_answers:
         raise ValueError("Pass at least one wrong answer the checker must reject.")
-    import contextlib
-    import io
-
-    results = []
-    for wrong in wrong_answers:
-        with contextlib.redirect_stdout(io.StringIO()):  # its "✗ ..." verdicts are not for the learner
-            results.append(bool(checker(wrong)))
-    return not any(results)
+    with contextlib.redirect_stdout(io.StringIO()):  # its "✗ ..." verdicts are not for the learner
+        return not any([bool(checker(wrong)) for wrong in wrong_answers])

@@ -18,9 +18,7 @@ _SUBFOLDER_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 def repository_root() -> Path | None:
     """The course repository this package runs from, or None when it is installed (site-packages)."""
     root = PACKAGE_DIR.parent
-    if (root / "pyproject.toml").is_file() and (root / "notebooks").is_dir():
-        return root
-    return None
+    return root if (root / "pyproject.toml").is_file() and (root / "notebooks").is_dir() else None
 
 
 def _writable_folder(folder: Path, how_to_fix: str) -> Path:
@@ -36,10 +34,7 @@ def _writable_folder(folder: Path, how_to_fix: str) -> Path:
 def course_home() -> Path:
     """The user-writable course folder (created if missing); see the module docstring."""
     custom = os.environ.get("COURSE_HOME", "").strip()
-    if custom:
-        home = Path(custom).expanduser()
-    else:
-        home = repository_root() or Path.home() / HOME_FOLDER_NAME
+    home = Path(custom).expanduser() if custom else repository_root() or Path.home() / HOME_FOLDER_NAME
     return _writable_folder(home, "set COURSE_HOME to a folder you can write to")
 
 
@@ -61,13 +56,10 @@ def _checkpoints_on_drive() -> bool:
 def checkpoints_dir(subfolder: str | None = None) -> Path:
     """Where checkpoints go (created if missing), optionally a ``subfolder`` such as ``"06_capstone"``."""
     if subfolder is not None and (not isinstance(subfolder, str) or not _SUBFOLDER_RE.match(subfolder)):
-        raise ValueError(
-            f"subfolder {subfolder!r} must be one folder name of letters, digits, '_', '-' or '.', "
-            "for example '06_capstone'."
-        )
+        raise ValueError(f"subfolder {subfolder!r} must be one folder name of letters, digits, '_', '-' or '.', "
+                         "for example '06_capstone'.")
     base = COLAB_DRIVE_HOME / "checkpoints" if _checkpoints_on_drive() else course_home() / "checkpoints"
-    folder = base / subfolder if subfolder else base
-    return _writable_folder(folder, "set COURSE_HOME to a folder you can write to")
+    return _writable_folder(base / subfolder if subfolder else base, "set COURSE_HOME to a folder you can write to")
 
 
 def colab_drive_hint() -> str:
@@ -92,8 +84,6 @@ def data_file(name: str) -> Path:
     path = DATA_DIR / name
     if not path.is_file():
         shipped = sorted(p.name for p in DATA_DIR.glob("*")) if DATA_DIR.is_dir() else []
-        raise FileNotFoundError(
-            f"No data file {name!r} in the installed package ({DATA_DIR}); it ships {shipped or 'nothing'}. "
-            "Reinstall the course (`make lab`, or the notebook's first cell on Colab)."
-        )
+        raise FileNotFoundError(f"No data file {name!r} in the installed package ({DATA_DIR}); it ships "
+                                f"{shipped or 'nothing'}. Reinstall the course (`make lab`, or the notebook's first cell on Colab).")
     return path

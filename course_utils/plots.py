@@ -6,10 +6,8 @@ from typing import Mapping
 from .units import GIB, MIB
 
 CATEGORY_ORDER = ("params", "grads", "optimizer", "master_weights", "activations", "other", "overhead")
-CATEGORY_COLORS = {
-    "params": "#4C72B0", "grads": "#DD8452", "optimizer": "#55A868", "master_weights": "#8172B3",
-    "activations": "#C44E52", "other": "#937860", "overhead": "#BBBBBB",
-}
+CATEGORY_COLORS = {"params": "#4C72B0", "grads": "#DD8452", "optimizer": "#55A868", "master_weights": "#8172B3",
+                   "activations": "#C44E52", "other": "#937860", "overhead": "#BBBBBB"}
 
 
 def _as_categories(item) -> dict[str, int]:
@@ -42,18 +40,12 @@ def plot_ledger(items: Mapping[str, object], *, budget_bytes: int | None = None,
 
     if unit not in ("GiB", "MiB"):
         raise ValueError("unit must be 'GiB' or 'MiB'.")
-    scale = GIB if unit == "GiB" else MIB
-    frame = ledger_frame(items)
-    if ax is None:
-        _, ax = plt.subplots(figsize=(8, 0.6 * len(items) + 1.5))
-    scenarios = list(items)
+    scale, frame, scenarios = GIB if unit == "GiB" else MIB, ledger_frame(items), list(items)
+    ax = ax or plt.subplots(figsize=(8, 0.6 * len(items) + 1.5))[1]
     left = [0.0] * len(scenarios)
     categories = [c for c in CATEGORY_ORDER if c in set(frame.category)] + sorted(set(frame.category) - set(CATEGORY_ORDER))
     for category in categories:
-        widths = []
-        for s in scenarios:
-            sel = frame[(frame.scenario == s) & (frame.category == category)]
-            widths.append(sel.bytes.sum() / scale)
+        widths = [frame[(frame.scenario == s) & (frame.category == category)].bytes.sum() / scale for s in scenarios]
         ax.barh(scenarios, widths, left=left, label=category, color=CATEGORY_COLORS.get(category))
         left = [l + w for l, w in zip(left, widths)]
     if budget_bytes is not None:

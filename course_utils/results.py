@@ -14,27 +14,24 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 _current_notebook: str | None = None
 
 
-def results_dir() -> Path:
-    return paths.results_dir()
+results_dir = paths.results_dir
 
 
 def set_notebook(name: str) -> None:
     """Name the notebook whose figures :func:`record` writes (``01_memory_accounting``)."""
     global _current_notebook
-    _check_name(name, "notebook name")
-    _current_notebook = name
+    _current_notebook = _check_name(name, "notebook name")
 
 
 def current_notebook() -> str | None:
     return _current_notebook
 
 
-def _check_name(name, what: str) -> None:
+def _check_name(name, what: str) -> str:
     if not isinstance(name, str) or not _NAME_RE.match(name):
-        raise ValueError(
-            f"{what} {name!r} must be a non-empty string of letters, digits, '_', '-' or '.', "
-            "for example 'gpt2_xl_params'."
-        )
+        raise ValueError(f"{what} {name!r} must be a non-empty string of letters, digits, '_', '-' or '.', "
+                         "for example 'gpt2_xl_params'.")
+    return name
 
 
 def record(name: str, value, unit: str, *, notebook: str | None = None) -> dict:
@@ -42,29 +39,22 @@ def record(name: str, value, unit: str, *, notebook: str | None = None) -> dict:
     _check_name(name, "figure name")
     notebook = notebook or _current_notebook
     if notebook is None:
-        raise ValueError(
-            "record() does not know which notebook this is: call course_utils.setup('NN_topic') "
-            "in the notebook's first cell, or pass notebook='NN_topic'."
-        )
+        raise ValueError("record() does not know which notebook this is: call course_utils.setup('NN_topic') "
+                         "in the notebook's first cell, or pass notebook='NN_topic'.")
     _check_name(notebook, "notebook name")
     if not isinstance(unit, str):
         raise TypeError(f"unit must be a string such as 'GiB', 'bytes' or 'ratio', not {type(unit).__name__}.")
     if hasattr(value, "item") and callable(value.item):  # numpy or torch scalar
         value = value.item()
-    if isinstance(value, bool) or not isinstance(value, (int, float, str, list, tuple)):
-        if not isinstance(value, bool):
-            raise TypeError(
-                f"value for {name!r} must be a number, a string or a list of them, not {type(value).__name__}."
-            )
+    if not isinstance(value, (bool, int, float, str, list, tuple)):
+        raise TypeError(f"value for {name!r} must be a number, a string or a list of them, not {type(value).__name__}.")
     if isinstance(value, float) and not math.isfinite(value):
         raise ValueError(f"value for {name!r} is {value}; record a finite number.")
-    if isinstance(value, tuple):
-        value = list(value)
+    value = list(value) if isinstance(value, tuple) else value
     entry = {"value": value, "unit": unit, "profile": hardware.course_profile(), "device": hardware.device_type()}
     folder = results_dir()
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{notebook}.json"
-    data = load_notebook(notebook, folder)
+    path, data = folder / f"{notebook}.json", load_notebook(notebook, folder)
     data[name] = entry
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")

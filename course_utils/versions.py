@@ -14,10 +14,6 @@ PACKAGES = ("torch", "transformers", "ipywidgets", "bitsandbytes")
 STATUSES = ("ok", "outside", "not installed", "no range declared")
 
 
-def _normalize(name: str) -> str:
-    return canonicalize_name(name)
-
-
 def parse_version(version: str) -> Version:
     """``packaging``'s reading of a version string (PEP 440): '2.14.1+cu130' compares as 2.14.1 against a
     bound, '2.5.0rc1' comes before '2.5.0'."""
@@ -52,7 +48,7 @@ def declared_ranges(distribution: str = "course_utils") -> dict:
             requirement = Requirement(line)
         except InvalidRequirement:
             continue
-        name, spec = _normalize(requirement.name), str(requirement.specifier)
+        name, spec = canonicalize_name(requirement.name), str(requirement.specifier)
         ranges[name] = ",".join(c for c in (ranges.get(name, ""), spec) if c)
     return ranges
 
@@ -67,9 +63,7 @@ class VersionCheck:
     status: str
 
     def __str__(self) -> str:
-        installed = self.installed or "-"
-        tested = self.tested or "-"
-        line = f"{self.package:<14}{installed:<18}{tested:<22}{self.status}"
+        line = f"{self.package:<14}{self.installed or '-':<18}{self.tested or '-':<22}{self.status}"
         if self.status == "outside":
             line += f"  <- OUTSIDE the tested range: the notebooks may fail; pip install '{self.package}{self.tested}'"
         return line
@@ -79,20 +73,16 @@ def check_versions(packages=PACKAGES, *, ranges: dict | None = None) -> list:
     """A :class:`VersionCheck` per package; ``ranges`` defaults to :func:`declared_ranges`."""
     if isinstance(packages, str) or not all(isinstance(p, str) for p in packages):
         raise TypeError("packages must be a list of package names, e.g. ['torch', 'transformers'].")
-    ranges = declared_ranges() if ranges is None else {_normalize(k): v for k, v in ranges.items()}
+    ranges = declared_ranges() if ranges is None else {canonicalize_name(k): v for k, v in ranges.items()}
     checks = []
     for package in packages:
         try:
             installed = metadata.version(package)
         except metadata.PackageNotFoundError:
             installed = None
-        tested = ranges.get(_normalize(package))
-        if installed is None:
-            status = "not installed"
-        elif tested is None:
-            status = "no range declared"
-        else:
-            status = "ok" if in_range(installed, tested) else "outside"
+        tested = ranges.get(canonicalize_name(package))
+        status = ("not installed" if installed is None else "no range declared" if tested is None
+                  else "ok" if in_range(installed, tested) else "outside")
         checks.append(VersionCheck(package, installed, tested or "", status))
     return checks
 
@@ -105,8 +95,6 @@ def version_report(packages=PACKAGES, *, ranges: dict | None = None) -> str:
         return f"Version check skipped: {err}"
     lines = [f"{'package':<14}{'installed':<18}{'tested range':<22}status"] + [str(c) for c in checks]
     outside = [c.package for c in checks if c.status == "outside"]
-    if outside:
-        lines.append(f"WARNING: {', '.join(outside)} outside the tested range: results may differ or cells may fail.")
-    else:
-        lines.append("Every installed package with a declared range is inside it.")
+    lines.append(f"WARNING: {', '.join(outside)} outside the tested range: results may differ or cells may fail."
+                 if outside else "Every installed package with a declared range is inside it.")
     return "\n".join(lines)
