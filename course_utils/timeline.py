@@ -8,9 +8,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensor
 
 from .memory import _TRACKER_TO_CATEGORY, CATEGORIES, _check_args, _new_tracker, _MultiStepMemTracker
+from .models import _is_fake
 from .units import GIB, KIB, MIB
 
 try:  # private API, as in memory.py; tests/test_timeline.py pins what is used of it
@@ -122,7 +122,7 @@ def record_timeline(fn, *, model: nn.Module | None = None, optimizer=None) -> Ti
             ev.loc[temporary & (ev[column] == "optimizer"), column] = "other"
     ev["bytes"] = ev["bytes"].astype("int64")
     ev["total"] = np.where(ev["action"] == "alloc", ev["bytes"], np.where(ev["action"] == "free", -ev["bytes"], 0)).cumsum()
-    return Timeline(events=ev, device=device, fake=any(isinstance(p, FakeTensor) for p in params))
+    return Timeline(events=ev, device=device, fake=any(_is_fake(p) for p in params))
 
 
 def plot_timeline(timeline: Timeline, *, ax=None, reserved=None, title: str | None = None, unit: str = "MiB"):
