@@ -58,9 +58,7 @@ class Segment:
     expandable: bool = False
     blocks: list[Block] = field(default_factory=list)  # in address order, covering the segment
 
-    @property
-    def size(self) -> int:
-        return sum(b.size for b in self.blocks if b.mapped)
+    size = property(lambda self: sum(b.size for b in self.blocks if b.mapped))
 
 
 class OutOfMemory(RuntimeError):

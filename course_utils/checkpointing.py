@@ -93,9 +93,7 @@ class ChainSchedule:
     peak_nodes: int = 0
     forward_count: int = 0
 
-    @property
-    def steps(self) -> int:
-        return len(self.ops)
+    steps = property(lambda self: len(self.ops))
 
     @property
     def recompute_count(self) -> int:
@@ -107,13 +105,8 @@ class ChainSchedule:
         """Forward computations / n: 1 without recomputation, 2 is one extra forward pass."""
         return self.forward_count / self.n
 
-    @property
-    def unit_sizes(self) -> bool:
-        return all(s == 1 for s in self.sizes)
-
-    @property
-    def label(self) -> str:
-        return STRATEGY_LABELS[self.strategy]
+    unit_sizes = property(lambda self: all(s == 1 for s in self.sizes))
+    label = property(lambda self: STRATEGY_LABELS[self.strategy])
 
     def live_at(self, t: int) -> frozenset:
         """The nodes live while step ``t`` (0-based) runs, as ("f"|"b", i) pairs."""

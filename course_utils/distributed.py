@@ -28,9 +28,7 @@ class ZeroBytes:
     grads: int
     optimizer: int
 
-    @property
-    def total(self) -> int:
-        return self.params + self.grads + self.optimizer
+    total = property(lambda self: self.params + self.grads + self.optimizer)
 
 
 def zero_bytes_per_rank(n_params: int, world_size: int, stage: int, *, param_bytes: float = 2,

@@ -79,9 +79,7 @@ class TrainingBytes:
     optimizer: int
     master_weights: int = 0
 
-    @property
-    def total(self) -> int:
-        return self.params + self.grads + self.optimizer + self.master_weights
+    total = property(lambda self: self.params + self.grads + self.optimizer + self.master_weights)
 
 
 def training_state_bytes(n_params: int, *, optimizer: str = "adam", param_dtype="fp32",
@@ -184,9 +182,7 @@ class MemoryEstimate:
     n_params: int
     notes: list[str] = field(default_factory=list)
 
-    @property
-    def peak_bytes(self) -> int:
-        return sum(self.by_category.values())
+    peak_bytes = property(lambda self: sum(self.by_category.values()))
 
     def __str__(self) -> str:
         from .memory import format_bytes

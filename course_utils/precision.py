@@ -167,9 +167,7 @@ class ScaleLog:
         self.losses.append(float(loss) if loss is not None else float("nan"))
         return skipped
 
-    @property
-    def skipped_steps(self) -> int:
-        return int(sum(self.skipped))
+    skipped_steps = property(lambda self: int(sum(self.skipped)))
 
     def frame(self):
         import pandas as pd

@@ -66,13 +66,8 @@ class Timeline:
     device: str
     fake: bool = False
 
-    @property
-    def peak_bytes(self) -> int:
-        return int(self.events["total"].max()) if len(self.events) else 0
-
-    @property
-    def peak_index(self) -> int:
-        return int(self.events["total"].idxmax()) if len(self.events) else 0
+    peak_bytes = property(lambda self: int(self.events["total"].max()) if len(self.events) else 0)
+    peak_index = property(lambda self: int(self.events["total"].idxmax()) if len(self.events) else 0)
 
     def curve(self):
         """Bytes alive per category after each event (a DataFrame, one column per category)."""
