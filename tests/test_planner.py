@@ -483,13 +483,15 @@ def test_stream_weights_matches_measure_memory():
                 p.untyped_storage().resize_(0)
             resident.discard(i)
 
+    causal = torch.full((16, 16), float("-inf")).triu(1)[None, None]  # GPT-2's additive causal mask
+
     def run(i, h):  # forward: this block and the next; the recompute in backward: this one and the one before
         in_backward = torch._C._current_graph_task_id() != -1
         if in_backward:
             evict(i + 1), fetch(i), fetch(i - 1)
         else:
             fetch(i), fetch(i + 1)
-        out = blocks[i](h)
+        out = blocks[i](h, None, causal)
         if not in_backward:
             evict(i)
         return out[0] if isinstance(out, tuple) else out
@@ -511,7 +513,11 @@ def test_stream_weights_matches_measure_memory():
         p.grad = None
     for p in net.parameters():
         p.register_post_accumulate_grad_hook(stream_grad)
-    model = Streamed()  # GPT-2's blocks and embeddings, run block by block (attention without a causal mask)
+    model = Streamed()
+    with torch.no_grad():  # the same model (no dropout), checked before the weights leave
+        reference = net.eval()(input_ids=x, labels=x).loss
+        assert torch.allclose(model.eval()(x), reference, rtol=1e-5)
+    model.train()
     resident.update(range(len(blocks)))
     for i in range(len(blocks)):
         evict(i)
@@ -580,5 +586,19 @@ def test_cheapest_set_for_gpt2_xl_on_small_cards(gib):
     assert "stream weights from CPU" in rec.techniques
     if gib == 2:
         assert rec.plan.peak_bytes <= 2 * GIB
+    # the host holds what left the card: the fp32 master weights and Adam state, the streamed weights, offloads
+    assert rec.plan.host_bytes >= 16 * planner.get_model("gpt2-xl").n_params
+    assert any("host RAM" in note for note in rec.plan.notes)
     with pytest.raises(ValueError, match="Nothing fits"):
         planner.cheapest_fit("gpt2-xl", 0.5, micro_batch=4, size=1024)
+
+
+def test_cheapest_fit_within_a_host_ram_budget():
+    free = planner.cheapest_fit("gpt2-xl", 2, micro_batch=4, size=1024)
+    within = planner.cheapest_fit("gpt2-xl", 2, micro_batch=4, size=1024, host_gib=32)
+    assert free.plan.host_bytes > 32 * GIB >= within.plan.host_bytes and within.plan.fits
+    assert within.plan.step_seconds >= free.plan.step_seconds
+    with pytest.raises(ValueError, match="allow more host RAM than 8 GiB"):
+        planner.cheapest_fit("gpt2-xl", 2, micro_batch=4, size=1024, host_gib=8)
+    with pytest.raises(ValueError, match="host_gib must be a positive"):
+        planner.cheapest_fit("gpt2-xl", 2, micro_batch=4, size=1024, host_gib=-1)

@@ -77,3 +77,21 @@ def test_widget_set_changes_model_and_gpu_and_returns_the_verdict():
     assert "gpt2-xl on T4 (16 GB)" in text and "does NOT fit" in text
     with pytest.raises(ValueError, match="No control named"):
         box.set(colour="red")
+
+
+def test_widget_toggles_of_the_current_toolbox():
+    box = planner.planner_widget()
+    box.set(model="gpt2-xl", gpu="T4 (16 GB)", micro_batch=4, size=1024, accumulation=1, precision="pure fp16",
+            checkpointing="per block", search=False)
+    before = box.last_result.plan.peak_bytes
+    box.controls["stream_weights"].value = True  # turns the CPU optimizer on by itself
+    assert box.controls["master_on_cpu"].value and box.last_result.ok
+    assert box.last_result.plan.peak_bytes < before
+    box.set(chunked_loss=True, offload_activations=True)
+    assert box.last_result.ok and "stream weights from CPU" in box.last_result.plan.techniques
+    box.controls["master_on_cpu"].value = False  # streaming weights needs it: both streams switch off
+    assert not box.controls["stream_weights"].value and box.last_result.ok
+    text = box.set(fused_update=True, accumulation=4)
+    assert not box.last_result.ok and "set accumulation=1" in text
+    box.set(fused_update=False, accumulation=1, lora_rank=8)
+    assert box.last_result.ok and "LoRA adapters (rank 8)" in box.last_result.plan.techniques

@@ -4,7 +4,9 @@
 category (params, grads, optimizer, activations, other = temporaries, overhead = allocator
 reserve + CUDA context), for a model preset (real configs) or your own sizes, and says whether it
 fits the GPU. ``cheapest_fit(...)`` searches the course's techniques and returns the set that fits
-at the lowest predicted time per optimizer step, with the notebook that teaches each technique.
+at the lowest predicted time per optimizer step, with the notebook that teaches each technique:
+notebooks 02-06's, and notebook 08-09's toggles (``offload_activations``, ``chunked_loss``,
+``fused_update``, ``lora_rank``, ``stream_weights``).
 
 The package, by concern:
 

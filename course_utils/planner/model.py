@@ -87,6 +87,7 @@ CPU_STEP_REFERENCE = {"adamw_fused": 0.9, "torchao_adamw8bit": 1.2, "bnb_adam8bi
 CPU_STEP_RECORDED = {"adamw_fused": "cpu_adamw_fused_ns_per_param", "torchao_adamw8bit": "cpu_torchao8bit_ns_per_param",
                      "bnb_adam8bit": "cpu_bnb8bit_ns_per_param", "adamw_foreach": "cpu_adamw_ns_per_param"}
 CPU_STEP_NOTEBOOK = "08_current_toolbox"
+_STATE_BYTES = {"sgd": 0, "sgd_momentum": 4, "adam": 8, "adamw": 8, "adam8bit": 2}  # per parameter, about
 
 CATEGORIES = MEMORY_CATEGORIES + ("overhead",)  # what measure_memory reports, plus the card's overhead
 CHECKPOINTING = ("none", "block", "sqrt")
@@ -199,6 +200,7 @@ class Plan:
     phase: str
     step_seconds: float
     notes: list = field(default_factory=list)
+    host_bytes: int = 0  # what the plan keeps in host RAM (master weights, CPU optimizer, streamed and offloaded)
 
     @property
     def peak_bytes(self) -> int:
@@ -480,8 +482,13 @@ def predict_settings(model: ModelSpec, gpu: GPUSpec, s: Settings) -> Plan:
     if s.master_on_cpu:
         ns, source = cpu_step_ns(s.cpu_step_optimizer)
         notes.append(f"CPU optimizer step: {s.cpu_step_optimizer}, {ns:.2f} ns/parameter ({source})")
+    state = _STATE_BYTES[s.optimizer]
+    host = int((n * (4 + 4 + state) if s.master_on_cpu else 0) + n * w * s.stream_weights + a["saved"] * off)
+    if host:  # not on the card, but the machine must have it
+        notes.append(f"host RAM: {host / GIB:.1f} GiB (fp32 master weights, gradients and optimizer state on the CPU, "
+                     "streamed weights, offloaded activations)")
     return Plan(model=model, gpu=gpu, settings=s, by_category=by_cat, phase=phase,
-                step_seconds=step_seconds(model, gpu, s), notes=notes)
+                step_seconds=step_seconds(model, gpu, s), notes=notes, host_bytes=host)
 
 
 def step_seconds(model: ModelSpec, gpu: GPUSpec, s: Settings) -> float:
@@ -511,7 +518,7 @@ def step_seconds(model: ModelSpec, gpu: GPUSpec, s: Settings) -> float:
         pcie = (n * w * grad_trips + n * w) / (gpu.pcie_gbs * 1e9)
         opt = pcie + n * cpu_step_ns(s.cpu_step_optimizer)[0] * 1e-9
     else:
-        state = {"sgd": 0, "sgd_momentum": 4, "adam": 8, "adamw": 8, "adam8bit": 2}[s.optimizer]
+        state = _STATE_BYTES[s.optimizer]
         if s.lora_rank is not None:
             touched = lora_params(model, s.lora_rank) * (4 + 4 + 2 * state)
         else:

@@ -14,6 +14,7 @@ import itertools
 from dataclasses import dataclass, replace
 
 from ..units import GIB
+from ..validation import positive_number
 from .model import CHECKPOINTING, Plan, Settings, make_settings, predict_settings, technique_notebook
 from .specs import GPUSpec, get_gpu, get_model
 
@@ -71,19 +72,22 @@ def candidate_settings(base: Settings, gpu: GPUSpec, model=None):
                       fused_update=fu, stream_weights=sw)
 
 
-def cheapest_fit(model, gpu="RTX 3060 (12 GB)", **settings) -> Recommendation:
+def cheapest_fit(model, gpu="RTX 3060 (12 GB)", *, host_gib=None, **settings) -> Recommendation:
     """The set of the course's techniques that fits ``gpu`` at the lowest predicted step time.
 
     The effective batch (micro_batch x accumulation) is kept; the search may split the
     micro-batch (more accumulation steps), checkpoint, lower the precision, switch Adam to 8-bit
     Adam, move the optimizer and fp32 master weights to the CPU and stream gradients there, and
-    turn on notebooks 08-09's toggles. ``settings``: the knobs of :func:`.model.make_settings`.
+    turn on notebooks 08-09's toggles. ``settings``: the knobs of :func:`.model.make_settings`;
+    ``host_gib``: the host RAM a plan may use (its ``host_bytes``; default: no limit).
     "Fits" means tensors + allocator reserve + CUDA context fit the card. Ties go to fewer
     techniques. Raises ValueError when nothing fits, saying what to change.
     """
     model = get_model(model)
     gpu = get_gpu(gpu)
     base = make_settings(model, **settings)
+    if host_gib is not None:
+        positive_number(host_gib, "host_gib", "the machine's RAM in GiB, e.g. 32, or None for no limit")
     baseline = predict_settings(model, gpu, base)
     if baseline.fits:  # nothing to turn on; faster options are the learner's choice
         return Recommendation(plan=baseline, baseline=baseline, techniques=[], notebooks={}, slowdown=1.0,
@@ -94,7 +98,7 @@ def cheapest_fit(model, gpu="RTX 3060 (12 GB)", **settings) -> Recommendation:
         p = predict_settings(model, gpu, s)
         if smallest is None or p.peak_bytes < smallest.peak_bytes:
             smallest = p
-        if not p.fits:
+        if not p.fits or (host_gib is not None and p.host_bytes > host_gib * GIB):
             continue
         key = (round(p.step_seconds, 6), len(s.techniques(base)), p.peak_bytes)
         if best is None or key < best[0]:
@@ -104,7 +108,8 @@ def cheapest_fit(model, gpu="RTX 3060 (12 GB)", **settings) -> Recommendation:
             f"Nothing fits: {model.name} needs at least {smallest.peak_bytes / GIB:.2f} GiB even with every technique "
             f"({', '.join(smallest.settings.techniques(base))}) and micro-batch {smallest.settings.micro_batch}, "
             f"but {gpu.name} has {gpu.memory_gib:.1f} GiB. Choose a GPU with more memory, a shorter sequence / "
-            f"smaller image, or a smaller model; or shard across GPUs (notebooks/07_beyond_one_gpu.ipynb).")
+            f"smaller image, or a smaller model; or shard across GPUs (notebooks/07_beyond_one_gpu.ipynb)"
+            + (f"; or allow more host RAM than {host_gib:g} GiB." if host_gib is not None else "."))
     plan = best[1]
     techniques = plan.settings.techniques(base)
     return Recommendation(plan=plan, baseline=baseline, techniques=techniques,

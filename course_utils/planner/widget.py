@@ -111,10 +111,11 @@ def _model_spec(model, custom_params_m, custom_act_mib):
 
 def render(*, model="gpt2-xl", gpu="RTX 3060 (12 GB)", custom_gpu_gib=8, custom_params_m=100, custom_act_mib=50,
            micro_batch=4, size=None, accumulation=1, checkpointing="none", precision="fp32", optimizer="adam",
-           master_on_cpu=False, stream_grads=False, attention="fused", search=True, show=True) -> RenderResult:
+           master_on_cpu=False, stream_grads=False, attention="fused", offload_activations=False, chunked_loss=False,
+           fused_update=False, stream_weights=False, lora_rank=0, search=True, show=True) -> RenderResult:
     """Plan (and search) for these settings; returns a figure or the message to show instead.
 
-    Never raises for bad settings: the error's message says what to change.
+    Never raises for bad settings: the error's message says what to change. ``lora_rank=0``: every weight trains.
     """
     import matplotlib.pyplot as plt
 
@@ -126,7 +127,9 @@ def render(*, model="gpt2-xl", gpu="RTX 3060 (12 GB)", custom_gpu_gib=8, custom_
                       checkpointing=CKPT_LABELS.get(checkpointing, checkpointing),
                       precision=PRECISION_LABELS.get(precision, precision),
                       optimizer=OPTIMIZER_LABELS.get(optimizer, optimizer), master_on_cpu=master_on_cpu,
-                      stream_grads=stream_grads, attention=ATTENTION_LABELS.get(attention, attention))
+                      stream_grads=stream_grads, attention=ATTENTION_LABELS.get(attention, attention),
+                      offload_activations=offload_activations, chunked_loss=chunked_loss, fused_update=fused_update,
+                      stream_weights=stream_weights, lora_rank=lora_rank or None)
         plan = predict(spec, gpu_spec, **kwargs)
         rec = None
         lines = [plan.summary()]
@@ -189,6 +192,11 @@ def planner_widget():
                                   style=style),
         master_on_cpu=w.Checkbox(value=False, description="optimizer + fp32 master weights on CPU"),
         stream_grads=w.Checkbox(value=False, description="stream gradients to CPU"),
+        stream_weights=w.Checkbox(value=False, description="stream weights from CPU (09)"),
+        offload_activations=w.Checkbox(value=False, description="offload activations (08)"),
+        chunked_loss=w.Checkbox(value=False, description="chunked loss (08)"),
+        fused_update=w.Checkbox(value=False, description="update fused into backward (08)"),
+        lora_rank=w.IntSlider(value=0, min=0, max=64, description="LoRA rank (0: off)", style=style, layout=layout),
         search=w.Checkbox(value=True, description="search the cheapest set that fits"),
     )
     held = [False]  # True while set() changes several controls: one update at the end
@@ -199,7 +207,7 @@ def planner_widget():
 
     def on_master(change):
         if not change["new"]:
-            c["stream_grads"].value = False
+            c["stream_grads"].value = c["stream_weights"].value = False
 
     def on_model(change):  # sensible size for the model family
         key = {v: k for k, v in MODEL_LABELS.items()}.get(change["new"])
@@ -210,6 +218,7 @@ def planner_widget():
         c["size"].value = min(spec.default_size, c["size"].max)
 
     c["stream_grads"].observe(on_stream, names="value")
+    c["stream_weights"].observe(on_stream, names="value")
     c["master_on_cpu"].observe(on_master, names="value")
     c["model"].observe(on_model, names="value")
     out = w.Output()
@@ -217,7 +226,9 @@ def planner_widget():
                                   c["custom_gpu_gib"]]),
                           w.VBox([c["micro_batch"], c["size"], c["accumulation"], c["precision"]])]),
                   c["checkpointing"], c["optimizer"], c["attention"],
-                  w.HBox([c["master_on_cpu"], c["stream_grads"], c["search"]]), out])
+                  w.HBox([c["master_on_cpu"], c["stream_grads"], c["stream_weights"]]),
+                  w.HBox([c["offload_activations"], c["chunked_loss"], c["fused_update"]]),
+                  w.HBox([c["lora_rank"], c["search"]]), out])
     box.last_result = None
 
     def update():
