@@ -135,19 +135,15 @@ def simulate(n: int, strategy: str = "every_k", *, rule, k: int | None = None, c
         raise ValueError(f"k is the spacing of strategy 'every_k'; strategy {strategy!r} does not use it.")
     if checkpoints is not None and strategy != "checkpoints":
         raise ValueError(f"checkpoints=... goes with strategy='checkpoints', not {strategy!r}.")
-    if strategy == "store_all":
-        stored, keep_recomputed = tuple(range(1, n + 1)), True
-    elif strategy == "recompute_all":
-        stored, keep_recomputed = (), False
-    elif strategy == "every_k":
+    if strategy == "every_k":
         k = default_k(n) if k is None else positive_int(k, "k (the checkpoint spacing)", f"between 1 and n={n}")
         if k > n:
             raise ValueError(f"k (the checkpoint spacing) must be between 1 and n={n}, got {k}.")
-        stored, keep_recomputed = tuple(range(k, n + 1, k)), True
-    else:
-        stored, keep_recomputed = _check_positions(checkpoints, n), True
+    stored = {"store_all": lambda: tuple(range(1, n + 1)), "recompute_all": tuple,
+              "every_k": lambda: tuple(range(k, n + 1, k)), "checkpoints": lambda: _check_positions(checkpoints, n)}
     record_live = n <= MAX_LIVE_RECORD if record_live is None else bool(record_live)
-    return _run(n, strategy, stored, keep_recomputed, sizes, record_live, rule)
+    # a recomputation keeps its nodes until their b node is done, except in recompute_all (only the newest)
+    return _run(n, strategy, stored[strategy](), strategy != "recompute_all", sizes, record_live, rule)
 
 
 def _node_name(node) -> str:
