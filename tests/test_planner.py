@@ -366,7 +366,7 @@ def assert_toggle_predicts(name, config, measured, toggle, must_matter=True, **s
     print(f"{name}: predicted {on:,} B, measured {measured:,} B ({MEASURED_ERRORS[name]:+.1%}); "
           f"without the toggle {(off - measured) / measured:+.1%}")
     assert abs(on - measured) <= 0.10 * measured, (name, on, measured)
-    assert not must_matter or abs(off - measured) > 0.10 * measured, (name, "the toggle must matter here", off, measured)
+    assert not must_matter or abs(off - measured) > 0.10 * measured, (name, "the toggle must matter", off, measured)
 
 
 def adamw_step(net, opt, loss_fn):
