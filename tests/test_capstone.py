@@ -597,3 +597,27 @@ def test_cpu_compiles_probe_reports_a_missing_compiler(monkeypatch):
     monkeypatch.setattr(torch, "compile", no_compiler)
     works, why = capstone.cpu_compiles()
     assert works is False and "cannot build CPU code" in why and "InvalidCxxCompiler" in why and "more" not in why
+
+
+def _largest_change_vs_adam(make, n=4096 * 3, lr=1e-3, steps=3):
+    """Notebook 06's update check: gradients whose sizes span decades in every block of 256 values."""
+    def largest(make_opt):
+        gen = torch.Generator().manual_seed(0)
+        sizes = torch.exp(2 * torch.randn(n, generator=gen))
+        w = torch.nn.Parameter(torch.zeros(n))
+        opt = make_opt([w], lr)
+        for _ in range(steps):
+            w.grad = torch.randn(n, generator=gen) * sizes * 1e-3
+            opt.step()
+        return float(w.detach().abs().max())
+
+    return largest(make) / largest(lambda ps, lr: torch.optim.Adam(ps, lr=lr))
+
+
+def test_bitsandbytes_adam8bit_keeps_adams_update_torchao_8bit_states_do_not():
+    """What notebook 06's choice rests on. If torchao's second moment stops rounding to zero (a new version),
+    the notebook may pick a torchao optimizer: update its prose ('Reading the table') with the new result."""
+    adams, _ = capstone.cpu_8bit_adams(compiles=True)
+    assert _largest_change_vs_adam(adams["bitsandbytes Adam8bit"]) <= 2
+    for name in ("torchao AdamFp8", "torchao Adam8bit"):
+        assert _largest_change_vs_adam(adams[name]) > 100, f"{name} now keeps Adam's update: revisit notebook 06"
