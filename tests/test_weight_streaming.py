@@ -25,7 +25,7 @@ TINY = dict(vocab_size=64, n_layer=3, n_embd=32, n_head=2, n_positions=32, resid
 
 @pytest.fixture(scope="module")
 def nb():
-    prelude = ("import copy, torch\nimport torch.nn.functional as F\nfrom torch.utils.checkpoint import checkpoint\n"
+    prelude = ("import copy, functools, torch\nimport torch.nn.functional as F\nfrom torch.utils.checkpoint import checkpoint\n"
                "from course_utils import checks, models\nfrom course_utils.checks import claim\n")
     namespace = {}
     exec(prelude, namespace)
