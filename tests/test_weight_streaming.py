@@ -158,3 +158,25 @@ def test_cuda_engine_gives_the_cpu_twins_update(nb):
     diff = max(float((a - b).abs().max()) for a, b in zip(cpu.master, gpu.master))
     assert diff < 1e-4, f"the CUDA engine's update differs from the CPU twin's by {diff}"
     assert gpu.streamer.peak_device_bytes <= 2 * sum(p.numel() * 4 for p in gpu.streamer.params[0])
+
+
+def test_checkpoints_wait_on_the_host(nb):
+    """With offload, each block's checkpointed input goes through the engine once in forward and comes back once."""
+    trainer = _trainer(nb, stream=True)
+    engine, moved = trainer.engine, {"pack": 0, "unpack": 0}
+    pack, unpack = engine.pack, engine.unpack
+
+    def counting_pack(t):
+        moved["pack"] += 1
+        return pack(t)
+
+    def counting_unpack(packed):
+        moved["unpack"] += 1
+        return unpack(packed)
+
+    engine.pack, engine.unpack = counting_pack, counting_unpack
+    x = _batches(1)[0]
+    loss = nb["chunked_lm_loss"](trainer.model, x, 8)
+    assert moved == {"pack": TINY["n_layer"], "unpack": 0}
+    trainer.backward(loss)
+    assert moved == {"pack": TINY["n_layer"], "unpack": TINY["n_layer"]}
