@@ -25,6 +25,7 @@ LESSON = {  # a name the notebook defines -> which of its code cells defines it
     "two_copy_step": lambda src, tags: "solution" in tags and "def two_copy_step" in src,
     "TwoCopyTrainer": lambda src, tags: src.startswith("class TwoCopyTrainer"),  # with flat_master
     "StreamedTrainer": lambda src, tags: src.startswith("class StreamedTrainer"),
+    "Adam8bitCPU": lambda src, tags: src.startswith("def encode(") and "class Adam8bitCPU" in src,
 }
 TOL_FP16 = 0.05  # fp16 device model vs fp32 model: update within 5% of the largest update
 
@@ -89,6 +90,10 @@ def adam8bit(lr=1e-3):
     return lambda ps: bnb.optim.Adam8bit(ps, lr=lr)
 
 
+def adam8bit_cpu(lr=1e-3):
+    return lambda ps: lesson()["Adam8bitCPU"](ps, lr=lr)
+
+
 def torchao_fp8(lr=1e-3):
     adams, _ = capstone.cpu_8bit_adams(compiles=True)
     return lambda ps: adams["torchao AdamFp8"](ps, lr)
@@ -133,8 +138,8 @@ def train_trainer(trainer, data, accum):
 
 
 # ----------------------------------------------------------------------------------------------- the lesson
-@pytest.mark.parametrize("make_opt,flat", [(adam, False), (adam8bit, True), (torchao_fp8, True)],
-                         ids=["adam-per-weight", "bnb-adam8bit-flat", "torchao-fp8-flat"])
+@pytest.mark.parametrize("make_opt,flat", [(adam, False), (adam8bit, True), (adam8bit_cpu, True), (torchao_fp8, True)],
+                         ids=["adam-per-weight", "bnb-adam8bit-flat", "adam8bitcpu-flat", "torchao-fp8-flat"])
 def test_two_copy_fp32_matches_plain_training_exactly(make_opt, flat):
     """Adam is elementwise: the trainer's flat master equals per-weight training. An 8-bit state quantizes
     blocks of 256 values, so it is compared with the same optimizer on one flat vector of the weights."""
@@ -208,14 +213,14 @@ def test_loss_scale_fixed_for_bf16_and_fp32():
     assert scale.value == 1.0
 
 
-@pytest.mark.parametrize("dtype,make_opt,rel_tol", [(torch.float32, adam8bit(), 0.0), (torch.float32, "fp8", 0.0),
+@pytest.mark.parametrize("dtype,make_opt,rel_tol", [(torch.float32, adam8bit(), 0.0), (torch.float32, "cpu8", 0.0),
                                                      (torch.float16, sgd(), 0.01)],
-                         ids=["fp32-adam8bit", "fp32-torchao-fp8", "fp16-sgd"])
+                         ids=["fp32-adam8bit", "fp32-adam8bitcpu", "fp16-sgd"])
 def test_streamed_update_equals_two_copy_over_accumulation(dtype, make_opt, rel_tol):
     """fp32: bit-identical. fp16: the streamed sum is done in fp32 (the recipe sums in fp16 on the
     device), so SGD's update (linear in the gradient) agrees within 1% of the largest update."""
     data = batches(6)
-    make_opt = torchao_fp8() if make_opt == "fp8" else make_opt
+    make_opt = adam8bit_cpu() if make_opt == "cpu8" else make_opt
     rec = recipe(tiny(dtype), make_opt)
     stream = streamed(tiny(dtype), make_opt)
     start = [m.detach().clone() for m in rec.master_params]
@@ -430,7 +435,7 @@ def test_predict_gpu_peak_tiny_fake_streamed_below_recipe():
     assert streamed_report.peak_bytes < 0.75 * recipe_report.peak_bytes
 
 
-@pytest.mark.parametrize("make_opt", [adam8bit, torchao_fp8], ids=["bnb-adam8bit", "torchao-fp8"])
+@pytest.mark.parametrize("make_opt", [adam8bit, adam8bit_cpu], ids=["bnb-adam8bit", "adam8bitcpu"])
 def test_checkpoint_resume_gives_identical_losses(tmp_path, make_opt):
     tokens = torch.tensor(capstone.ByteTokenizer().encode("the model does not fit; " * 20)) % 64
 
@@ -616,8 +621,38 @@ def _largest_change_vs_adam(make, n=4096 * 3, lr=1e-3, steps=3):
 
 def test_bitsandbytes_adam8bit_keeps_adams_update_torchao_8bit_states_do_not():
     """What notebook 06's choice rests on. If torchao's second moment stops rounding to zero (a new version),
-    the notebook may pick a torchao optimizer: update its prose ('Reading the table') with the new result."""
+    update the notebook's prose ('Reading the table') with the new result."""
     adams, _ = capstone.cpu_8bit_adams(compiles=True)
     assert _largest_change_vs_adam(adams["bitsandbytes Adam8bit"]) <= 2
+    assert _largest_change_vs_adam(lambda ps, lr: lesson()["Adam8bitCPU"](ps, lr=lr)) <= 1.2
     for name in ("torchao AdamFp8", "torchao Adam8bit"):
         assert _largest_change_vs_adam(adams[name]) > 100, f"{name} now keeps Adam's update: revisit notebook 06"
+
+
+def test_adam8bit_cpu_codes_follows_fp32_adam_and_checks_its_input():
+    L = lesson()
+    encode, decode = L["encode"], L["decode"]
+    y = torch.tensor([1.0, 0.7, 0.3, 2.0**-10, 2.0**-14.5, 2.0**-20, 2.0**-30.5, 2.0**-31.5, 0.0])
+    for bits, octaves in ((4, 15), (5, 31)):
+        back = decode(encode(y, bits), bits)
+        kept = y >= 2.0**-octaves
+        assert torch.all(((back - y).abs() <= y / 16)[kept])  # 3 mantissa bits, rounded: within 1/16
+        assert not back[~kept].any() and back[-1] == 0  # below the range: zero
+        assert int(encode(y, bits).max()) == 2**(bits + 3) - 8  # 1.0 is the largest code used
+    torch.manual_seed(0)
+    w32, w8 = torch.nn.Parameter(torch.zeros(4096)), torch.nn.Parameter(torch.zeros(4096))
+    opt32, opt8 = torch.optim.Adam([w32], lr=1e-2), L["Adam8bitCPU"]([w8], lr=1e-2)
+    for _ in range(5):
+        g = torch.randn(4096) * torch.exp(torch.randn(4096))
+        w32.grad, w8.grad = g.clone(), g.clone()
+        opt32.step()
+        opt8.step()
+    assert float((w8 - w32).norm() / w32.norm()) < 0.1
+    state = opt8.state[w8]
+    assert state["m_codes"].dtype == torch.int8 and state["r_codes"].dtype == torch.uint8
+    from course_utils import memory
+    assert memory.tensor_bytes(*memory.iter_tensors(opt8.state)) <= 2.05 * 4096
+    bad = torch.nn.Parameter(torch.zeros(300))
+    bad.grad = torch.ones(300)
+    with pytest.raises(ValueError, match="whole blocks of 256"):
+        L["Adam8bitCPU"]([bad]).step()
