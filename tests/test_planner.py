@@ -541,24 +541,26 @@ def test_stream_weights_matches_measure_memory():
 def test_cpu_step_uses_the_learners_measurement_when_recorded(tmp_path, monkeypatch):
     monkeypatch.setenv("COURSE_RESULTS_DIR", str(tmp_path))
     kw = dict(micro_batch=4, size=1024, precision="fp16", checkpointing="block", master_on_cpu=True)
-    for optimizer, name in (("adam", "adamw_fused"), ("adam8bit", "torchao_adamw8bit")):
+    for optimizer, name in (("adam", "adamw_fused"), ("adam8bit", "bnb_adam8bit")):
         reference = planner.predict("gpt2-xl", optimizer=optimizer, **kw)
         assert planner.cpu_step_ns(name) == (planner.CPU_STEP_REFERENCE[name],
                                              "reference: 2 cores of the course's CI machine")
         assert any("reference: 2 cores" in note and name in note for note in reference.notes)
-    results.record("cpu_torchao8bit_ns_per_param", 3.2, "ns", notebook="08_current_toolbox")
-    ns, source = planner.cpu_step_ns("torchao_adamw8bit")
+    results.record("cpu_bnb8bit_ns_per_param", 3.2, "ns", notebook="08_current_toolbox")
+    ns, source = planner.cpu_step_ns("bnb_adam8bit")
     assert ns == 3.2 and "measured on this machine" in source
     measured = planner.predict("gpt2-xl", optimizer="adam8bit", **kw)
     assert any("measured on this machine" in note for note in measured.notes)
-    reference = planner.predict("gpt2-xl", optimizer="adam8bit", cpu_optimizer="torchao_adamw8bit", **kw)
-    assert measured.step_seconds == pytest.approx(reference.step_seconds)
-    slower = planner.predict("gpt2-xl", optimizer="adam8bit", cpu_optimizer="bnb_adam8bit", **kw)
+    same = planner.predict("gpt2-xl", optimizer="adam8bit", cpu_optimizer="bnb_adam8bit", **kw)
+    assert measured.step_seconds == pytest.approx(same.step_seconds)
+    other = planner.predict("gpt2-xl", optimizer="adam8bit", cpu_optimizer="torchao_adamw8bit", **kw)
     n = planner.get_model("gpt2-xl").n_params
-    assert slower.step_seconds - measured.step_seconds == pytest.approx(n * (24.5 - 3.2) * 1e-9)
+    torchao_ns = planner.CPU_STEP_REFERENCE["torchao_adamw8bit"]
+    assert other.step_seconds - measured.step_seconds == pytest.approx(n * (torchao_ns - 3.2) * 1e-9)
     monkeypatch.setenv("COURSE_RESULTS_DIR", str(tmp_path / "nothing recorded"))
     back = planner.predict("gpt2-xl", optimizer="adam8bit", **kw)
-    assert measured.step_seconds - back.step_seconds == pytest.approx(n * (3.2 - 1.2) * 1e-9)
+    bnb_ns = planner.CPU_STEP_REFERENCE["bnb_adam8bit"]
+    assert measured.step_seconds - back.step_seconds == pytest.approx(n * (3.2 - bnb_ns) * 1e-9)
 
 
 def test_toggles_change_the_time_model():

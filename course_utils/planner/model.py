@@ -83,7 +83,7 @@ STREAMED_BLOCKS = 2
 LORA_WIDTHS_PER_BLOCK = 16  # r x (d + 3d) + r x 2d + r x 5d + r x 5d: GPT-2's c_attn, attn c_proj, c_fc, mlp c_proj
 # The CPU optimizer step, ns per parameter: notebook 08 records the learner's own (section 6) under these names;
 # until then, the reference figures, measured at 2 threads on 2 cores of the course's CI machine.
-CPU_STEP_REFERENCE = {"adamw_fused": 0.9, "torchao_adamw8bit": 1.2, "bnb_adam8bit": 24.5, "adamw_foreach": 4.6}
+CPU_STEP_REFERENCE = {"adamw_fused": 0.45, "torchao_adamw8bit": 18.3, "bnb_adam8bit": 16.1, "adamw_foreach": 2.35}
 CPU_STEP_RECORDED = {"adamw_fused": "cpu_adamw_fused_ns_per_param", "torchao_adamw8bit": "cpu_torchao8bit_ns_per_param",
                      "bnb_adam8bit": "cpu_bnb8bit_ns_per_param", "adamw_foreach": "cpu_adamw_ns_per_param"}
 CPU_STEP_NOTEBOOK = "08_current_toolbox"
@@ -116,13 +116,13 @@ class Settings:
     fused_update: bool = False
     lora_rank: int | None = None  # None: every weight trains
     stream_weights: bool = False
-    cpu_optimizer: str | None = None  # a key of CPU_STEP_REFERENCE; None: fused AdamW, or torchao's 8-bit for adam8bit
+    cpu_optimizer: str | None = None  # a key of CPU_STEP_REFERENCE; None: fused AdamW, or bitsandbytes' for adam8bit
 
     @property
     def cpu_step_optimizer(self) -> str:
         if self.cpu_optimizer:
             return self.cpu_optimizer
-        return "torchao_adamw8bit" if self.optimizer == "adam8bit" else "adamw_fused"
+        return "bnb_adam8bit" if self.optimizer == "adam8bit" else "adamw_fused"
 
     def techniques(self, base: "Settings | None" = None) -> list[str]:
         """The course's techniques this setup uses (relative to ``base`` where given)."""
