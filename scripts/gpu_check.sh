@@ -8,7 +8,9 @@
 # Steps (each under `timeout` with its own budget):
 #   1. the GPU unit tests (pytest -m gpu);
 #   2. notebooks 01, 04 and 06 (the recipe: CAPSTONE_PART=recipe) in profile full under a 12 GiB cap;
-#   3. notebook 06's streamed run (CAPSTONE_PART=streamed) under a 6 GiB cap, in a fresh process.
+#   3. notebook 06's streamed run (CAPSTONE_PART=streamed) under a 6 GiB cap, in a fresh process;
+#   4. notebook 09 in profile smoke: its CUDA weight-streaming engine (side stream, pinned host copies, events)
+#      on the small model, against the same update on the recipe.
 # Notebooks run under nbval through the validation CLI (python -m course_tools.validate), with a fresh
 # COURSE_HOME, so no checkpoint from an earlier run is resumed. The cap on 01 and 04 comes from an IPython
 # startup file (hardware.cap_gpu_memory); notebook 06 caps itself (12 GiB, then 6 GiB for the streamed run).
@@ -38,10 +40,11 @@ TOTAL_BUDGET_S=540   # 9 minutes
 # validation CLI records a timeout in its report before the step's own timeout would kill it.
 STEPS=(
   "gpu-unit-tests|60||$PY -m pytest tests -m gpu -q"
-  "01_memory_accounting|90|COURSE_GPU_CHECK_CAP_GIB=12|$PY -m course_tools.validate --profile full --notebooks 01_memory_accounting --timeout 80 --out $OUT/01_memory_accounting"
+  "01_memory_accounting|75|COURSE_GPU_CHECK_CAP_GIB=12|$PY -m course_tools.validate --profile full --notebooks 01_memory_accounting --timeout 65 --out $OUT/01_memory_accounting"
   "04_mixed_precision|60|COURSE_GPU_CHECK_CAP_GIB=12|$PY -m course_tools.validate --profile full --notebooks 04_mixed_precision --timeout 50 --out $OUT/04_mixed_precision"
   "06_capstone_recipe_12gib|150|CAPSTONE_PART=recipe|$PY -m course_tools.validate --profile full --notebooks 06_capstone_gpt2_xl --timeout 140 --out $OUT/06_capstone_recipe_12gib"
   "06_capstone_streamed_6gib|150|CAPSTONE_PART=streamed|$PY -m course_tools.validate --profile full --notebooks 06_capstone_gpt2_xl --timeout 140 --out $OUT/06_capstone_streamed_6gib"
+  "09_weight_streaming_smoke|40|COURSE_GPU_CHECK_CAP_GIB=12|$PY -m course_tools.validate --profile smoke --notebooks 09_smaller_than_the_model --timeout 30 --out $OUT/09_weight_streaming_smoke"
 )
 REPORT_BUDGET_S=5
 

@@ -31,13 +31,14 @@ def test_dry_run_prints_each_step_with_its_budget_within_nine_minutes(tmp_path):
     steps = re.findall(r"^\d+\. (\S+)\s+budget\s+(\d+)s\s+(.*)$", text, flags=re.M)
     names = [name for name, _, _ in steps]
     assert names == ["gpu-unit-tests", "01_memory_accounting", "04_mixed_precision", "06_capstone_recipe_12gib",
-                     "06_capstone_streamed_6gib", "report"]
+                     "06_capstone_streamed_6gib", "09_weight_streaming_smoke", "report"]
     commands = {name: cmd for name, _, cmd in steps}
     assert "-m pytest tests -m gpu" in commands["gpu-unit-tests"]
     for name in names[1:5]:
         assert "course_tools.validate --profile full" in commands[name]
     assert "COURSE_GPU_CHECK_CAP_GIB=12" in commands["01_memory_accounting"]
     assert "CAPSTONE_PART=recipe" in commands["06_capstone_recipe_12gib"]
+    assert "--profile smoke --notebooks 09_smaller_than_the_model" in commands["09_weight_streaming_smoke"]
     assert "CAPSTONE_PART=streamed" in commands["06_capstone_streamed_6gib"]
     total = sum(int(budget) for _, budget, _ in steps)
     assert re.search(rf"total budget: {total}s of 540s", text) and total <= 540
