@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 
+from ..memory import iter_tensors
 from ..validation import positive_int
 from .specs import ModelSpec, model_presets, spec_from_data
 
@@ -96,7 +97,7 @@ def profile_activations(model, blocks, inputs=(), kwargs=None, *, autocast_dtype
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             result = model(*inputs, **kwargs)
-        for t in _tensors(result):  # returned but not saved: the logits
+        for t in iter_tensors(result):  # returned but not saved: the logits
             key = t.untyped_storage()._cdata
             if key not in seen and key not in param_keys:
                 seen[key] = t
@@ -107,19 +108,6 @@ def profile_activations(model, blocks, inputs=(), kwargs=None, *, autocast_dtype
         model.train(was_training)
     out["largest"] = [max(sizes, default=0) for sizes in out["sizes"]]
     return out
-
-
-def _tensors(obj):
-    import torch
-
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict) or hasattr(obj, "values") and callable(getattr(obj, "values")):
-        for v in obj.values():
-            yield from _tensors(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _tensors(v)
 
 
 @contextlib.contextmanager
