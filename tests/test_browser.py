@@ -32,7 +32,7 @@ pytestmark = [
 ]
 selenium = pytest.importorskip("selenium", reason=f"selenium is not installed: {INSTALL}")
 from selenium import webdriver  # noqa: E402
-from selenium.common.exceptions import StaleElementReferenceException  # noqa: E402
+from selenium.common.exceptions import StaleElementReferenceException, TimeoutException  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.common.keys import Keys  # noqa: E402
 from selenium.webdriver.support.ui import Select, WebDriverWait  # noqa: E402
@@ -114,7 +114,9 @@ def _wait(driver, condition, timeout, message):
 
 
 def _run_all(driver, lab_url: str, notebook: str) -> None:
-    driver.get(f"{lab_url}/lab/tree/{notebook}?token={TOKEN}")
+    # A workspace of its own, reset: JupyterLab would otherwise reopen the notebooks of an earlier test beside this
+    # one, and "Run All Cells" would run whichever it made current.
+    driver.get(f"{lab_url}/lab/workspaces/{Path(notebook).stem}/tree/{notebook}?reset&token={TOKEN}")
     _wait(driver, lambda d: d.find_elements(By.CSS_SELECTOR, ".jp-Notebook .jp-Cell"), 120, "notebook never opened")
     _wait(driver, lambda d: "Idle" in _kernel_status(d), 120, "kernel never became idle")
     # Run > Run All Cells, from the menu bar as a learner would
@@ -125,9 +127,24 @@ def _run_all(driver, lab_url: str, notebook: str) -> None:
                                        if e.text.strip() == "Run All Cells" and e.is_displayed()], 20,
                     "no 'Run All Cells' in the Run menu")[0]
     run_all.click()
-    time.sleep(2)
-    _wait(driver, lambda d: "Idle" in _kernel_status(d) and not _busy_prompts(d), 300,
-          "cells did not finish running within 300 s")
+    time.sleep(2)  # JupyterLab marks every queued cell [*] at once; give it that moment
+    # Finished: the kernel is idle and every code cell has an execution count (a cell whose input is collapsed
+    # shows no prompt). An error stops the queue, so page errors end the wait too.
+    try:
+        _wait(driver, lambda d: _page_errors(d) or ("Idle" in _kernel_status(d) and _all_cells_ran(d)), 300,
+              "cells did not finish running within 300 s")
+    except TimeoutException as timeout:
+        raise AssertionError(f"{notebook}: cells did not finish within 300 s; {_diagnosis(driver)}") from timeout
+
+
+def _diagnosis(driver) -> str:
+    """What the page shows, for a failure message: kernel status, prompts, widget placeholders."""
+    prompts = _prompts(driver)
+    waiting = [e.get_attribute("textContent").strip()[:120] for e in driver.find_elements(By.CSS_SELECTOR, ".jp-OutputArea-output")
+               if "widget" in (e.get_attribute("textContent") or "").lower()]
+    return (f"{sum(p[1:-2].isdigit() for p in prompts)} of {len(prompts)} code cells ran (prompts {prompts}); "
+            f"kernel status {_kernel_status(driver)!r}; outputs mentioning widgets {waiting}; "
+            f"page errors {_page_errors(driver)}")
 
 
 def _kernel_status(driver) -> str:
@@ -135,8 +152,14 @@ def _kernel_status(driver) -> str:
         " ".join((e.get_attribute("title") or "") for e in driver.find_elements(By.CSS_SELECTOR, ".jp-Toolbar-kernelStatus, .jp-KernelStatus"))
 
 
-def _busy_prompts(driver) -> list:
-    return [e for e in driver.find_elements(By.CSS_SELECTOR, ".jp-InputPrompt") if "[*]" in e.text]
+def _prompts(driver) -> list[str]:
+    """Each code cell's input prompt: '[ ]:' not run, '[*]:' running or queued, '[7]:' run."""
+    return [e.get_attribute("textContent").strip() for e in driver.find_elements(By.CSS_SELECTOR, ".jp-CodeCell .jp-InputPrompt")]
+
+
+def _all_cells_ran(driver) -> bool:
+    prompts = _prompts(driver)
+    return any(p[1:-2].isdigit() for p in prompts) and not any(p in ("[ ]:", "[*]:") for p in prompts)
 
 
 def _page_errors(driver) -> list[str]:
@@ -168,8 +191,11 @@ def _open_widget(browser, lab_url: str, notebook: str, css: str, label: str, wha
     """Run ``notebook`` from the Run menu and return (the widget labelled ``label``, its cell, the cell's images)."""
     _run_all(browser, lab_url, notebook)
     assert not _page_errors(browser), _page_errors(browser)
-    widget = _wait(browser, lambda d: _labelled(d, css, label, required=False), 60,
-                   f"no {css} labelled {label!r} appeared on the page")
+    try:
+        widget = _wait(browser, lambda d: _labelled(d, css, label, required=False), 60, "")
+    except TimeoutException as timeout:
+        raise AssertionError(f"{notebook}: no {css} labelled {label!r} appeared within 60 s of the last cell; "
+                             f"{_diagnosis(browser)}") from timeout
     cell = widget.find_element(By.XPATH, CELL_OF)
     images = _wait(browser, lambda d: _widget_images(d, cell), 30, f"the {what} shows no drawing")
     return widget, cell, images
