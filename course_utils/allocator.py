@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from .hardware import CUDA_CONTEXT_BYTES
 from .paths import data_file
 from .units import GIB, KIB, MIB
-from .validation import byte_counts
+from .validation import byte_counts, positive_int
 
 # The constants at the top of CUDACachingAllocator.cpp
 K_MIN_BLOCK_SIZE = 512        # kMinBlockSize: all sizes are rounded to at least 512 bytes
@@ -84,9 +84,9 @@ class CachingAllocator:
     _reserved: int = 0
 
     def __post_init__(self):
-        for name, value in (("capacity", self.capacity), ("max_split_size", self.max_split_size)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
-                raise ValueError(f"{name} must be a positive number of bytes or None, not {value!r}.")
+        for name in ("capacity", "max_split_size"):
+            if getattr(self, name) is not None:
+                positive_int(getattr(self, name), name, "a number of bytes, or None")
         if not isinstance(self.expandable_segments, bool):
             raise TypeError(f"expandable_segments must be True or False, not {self.expandable_segments!r}.")
 
@@ -305,15 +305,6 @@ def replay(trace, **options):
     return pd.DataFrame(rows, columns=["requested", "allocated", "reserved", "fragmentation"]), sim
 
 
-def reserved_over_allocated(trace, **options) -> float:
-    """Peak reserved / peak tensor bytes of a trace: multiply a step's tensor peak by it to predict
-    ``max_memory_reserved()`` (what the card must hold besides the CUDA context)."""
-    frame, sim = replay(trace, **options)
-    if not len(frame) or frame["requested"].max() <= 0:
-        raise ValueError("The trace allocates nothing: record a step that allocates tensors.")
-    return float(sim.peak_reserved / frame["requested"].max())
-
-
 def format_size(nbytes: int) -> str:
     """format_size() of CUDACachingAllocator.cpp: '1024 bytes', '1.00 KiB', '20.00 MiB', '1.50 GiB'."""
     if nbytes <= KIB:
@@ -322,13 +313,11 @@ def format_size(nbytes: int) -> str:
     return f"{nbytes / scale:.2f} {unit}"
 
 
-def oom_message(tried: int, *, total: int, free: int, allocated: int, reserved: int, this_process: int | None = None,
-                gpu: int = 0) -> str:
+def oom_message(tried: int, *, total: int, free: int, allocated: int, reserved: int, this_process: int) -> str:
     """The text of PyTorch's OutOfMemoryError, in the wording of DeviceCachingAllocator::malloc() (torch 2.x)."""
-    process = "" if this_process is None else \
-        f"Including non-PyTorch memory, this process has {format_size(this_process)} memory in use. "
-    return (f"CUDA out of memory. Tried to allocate {format_size(tried)}. GPU {gpu} has a total capacity of "
-            f"{format_size(total)} of which {format_size(free)} is free. {process}Of the allocated memory "
+    return (f"CUDA out of memory. Tried to allocate {format_size(tried)}. GPU 0 has a total capacity of "
+            f"{format_size(total)} of which {format_size(free)} is free. Including non-PyTorch memory, this process "
+            f"has {format_size(this_process)} memory in use. Of the allocated memory "
             f"{format_size(allocated)} is allocated by PyTorch, and {format_size(reserved - allocated)} is reserved "
             "by PyTorch but unallocated. If reserved but unallocated memory is large try setting "
             "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  See documentation for Memory "
@@ -365,17 +354,16 @@ class OomMessage:
     gpu: int = 0
     this_process: int | None = None
     allowed: int | None = None
-    processes: dict = field(default_factory=dict)  # other processes the message names: pid -> bytes
 
     @property
     def unallocated(self) -> int:
         """Reserved by PyTorch but not allocated: cached blocks, pieces of partly used segments."""
         return self.reserved - self.allocated
 
-    def others(self, context_bytes: int = CUDA_CONTEXT_BYTES) -> int:
+    def others(self) -> int:
         """Bytes the card gives to anything but this process: total - free - this process. Older messages do not
         say what this process holds; there it is its reserved memory plus an estimated CUDA context."""
-        mine = self.this_process if self.this_process is not None else self.reserved + context_bytes
+        mine = self.this_process if self.this_process is not None else self.reserved + CUDA_CONTEXT_BYTES
         return max(0, self.total - self.free - mine)
 
 
@@ -398,8 +386,7 @@ def parse_oom(text: str) -> OomMessage:
     gpu = re.search(r"GPU (\d+)", text)
     return OomMessage(text=text, tried=found["tried"], total=found["total"], free=found["free"],
                       allocated=found["allocated"], reserved=found.get("reserved", found["allocated"] + found.get("unallocated", 0)),
-                      gpu=int(gpu.group(1)) if gpu else 0, this_process=found.get("this_process"), allowed=found.get("allowed"),
-                      processes={int(p): _bytes(s) for p, s in re.findall(r"Process (\d+) has " + _SIZE, text)})
+                      gpu=int(gpu.group(1)) if gpu else 0, this_process=found.get("this_process"), allowed=found.get("allowed"))
 
 
 def real_oom_messages() -> list[tuple[str, str]]:

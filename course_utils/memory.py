@@ -9,27 +9,21 @@ allocated peak is a lower bound of what a step needs.
 from __future__ import annotations
 
 import contextlib
-import time
+import functools
 import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+from torch.distributed._tools.mem_tracker import MemTracker  # private API: tests pin what is used of it
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._pytree import tree_flatten
 
 from .hardware import cuda_context_from_counters
 from .models import _is_fake
 from .validation import byte_counts, callable_arg, positive_int
 from .units import GIB, MIB  # noqa: F401 - re-exported: notebooks import them from here
-
-try:  # private API: wrapped here so a change upstream breaks one file, with a clear message
-    from torch.distributed._tools.mem_tracker import MemTracker
-except ImportError as _err:  # pragma: no cover
-    MemTracker = None
-    _IMPORT_ERROR = _err
-else:
-    _IMPORT_ERROR = None
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "other")
 _TRACKER_TO_CATEGORY = {"Parameter": "params", "Gradient": "grads", "Optstate": "optimizer", "Activation": "activations",
@@ -105,34 +99,23 @@ def _training_state_bytes(model, optimizer, device: torch.device) -> int:
     return tensor_bytes(*(t for t in tensors if t.device.type == device.type))
 
 
-class CudaCounters:
-    """The CUDA caching allocator's counters for one device, behind one small object."""
+# torch.cuda's functions that measure_memory reads; a counter source (CudaCounters, a fake one in tests) has them all
+_COUNTER_METHODS = ("synchronize", "empty_cache", "reset_peak_memory_stats", "memory_allocated",
+                    "max_memory_allocated", "memory_reserved", "max_memory_reserved", "mem_get_info")
 
-    def __init__(self, device=None):
-        self.device = torch.device(device if device is not None else "cuda")
+
+class CudaCounters:
+    """The CUDA caching allocator's counters for one device: torch.cuda's functions of the same names."""
+
+    def __init__(self, device="cuda"):
+        self.device = torch.device(device)
         if self.device.type != "cuda":
             raise ValueError(f"CudaCounters reads a CUDA device, not {self.device}; on a CPU tensors are tracked instead.")
         if not torch.cuda.is_available():
             raise ValueError("No CUDA GPU here: there is no caching allocator to read (pass a fake counter source in tests).")
-
-    # torch.cuda's own counters, one method each (a fake counter source implements the same names)
-    def synchronize(self) -> None: torch.cuda.synchronize(self.device)  # noqa: E704
-    def empty_cache(self) -> None: torch.cuda.empty_cache()  # noqa: E704
-    def reset_peak_memory_stats(self) -> None: torch.cuda.reset_peak_memory_stats(self.device)  # noqa: E704
-    def memory_allocated(self) -> int: return int(torch.cuda.memory_allocated(self.device))  # noqa: E704
-    def max_memory_allocated(self) -> int: return int(torch.cuda.max_memory_allocated(self.device))  # noqa: E704
-    def memory_reserved(self) -> int: return int(torch.cuda.memory_reserved(self.device))  # noqa: E704
-    def max_memory_reserved(self) -> int: return int(torch.cuda.max_memory_reserved(self.device))  # noqa: E704
-
-    def mem_get_info(self) -> tuple[int, int]:
-        """(free, total) bytes of the whole card, as the driver (and nvidia-smi) sees it."""
-        free, total = torch.cuda.mem_get_info(self.device)
-        return int(free), int(total)
-
-    def read(self) -> dict[str, int]:
-        """allocated, max_allocated, reserved now (bytes): the allocator's view in one dict."""
-        return {"allocated": self.memory_allocated(), "max_allocated": self.max_memory_allocated(),
-                "reserved": self.memory_reserved()}
+        for name in _COUNTER_METHODS:  # empty_cache() is the only one that takes no device
+            method = getattr(torch.cuda, name)
+            setattr(self, name, method if name == "empty_cache" else functools.partial(method, self.device))
 
 
 def combine_allocator_counters(*, state_bytes: int, allocated_at_start: int, max_allocated: int,
@@ -171,7 +154,6 @@ class MemoryReport:
     peak_bytes: int
     by_category: dict[str, int]
     device: str
-    seconds: float = 0.0
     optimizer_state_bytes: int = 0  # state held by the optimizer when fn returned
     tracked_peak_bytes: int = 0  # peak seen by tensor tracking (== peak_bytes off CUDA)
     fake: bool = False
@@ -198,31 +180,21 @@ class MemoryReport:
         return pd.DataFrame([{"category": k, "bytes": v, "MiB": v / MIB, "share": v / total}
                              for k, v in self.by_category.items()])
 
-    def _lines(self) -> list[str]:
+    def __str__(self) -> str:
         total = max(sum(self.by_category.values()), 1)
-        lines = [f"  {c:<11}  {format_bytes(self.by_category.get(c, 0)):>12}  {self.by_category.get(c, 0) / total:6.1%}"
-                 for c in CATEGORIES]
+        lines = [f"Peak memory on {self.device}{' (fake tensors)' if self.fake else ''}: {format_bytes(self.peak_bytes)}"]
+        lines += [f"  {c:<11}  {format_bytes(self.by_category.get(c, 0)):>12}  {self.by_category.get(c, 0) / total:6.1%}"
+                  for c in CATEGORIES]
         if self.reserved_peak_bytes is not None:
             lines.append(f"  reserved by the allocator at the peak: {format_bytes(self.reserved_peak_bytes)}")
         if self.cuda_context_bytes is not None:
             lines.append(f"  CUDA context (outside the allocator): {format_bytes(self.cuda_context_bytes)}")
-        return lines + [f"  note: {note}" for note in self.notes]
-
-    def _title(self) -> str:
-        return f"Peak memory on {self.device}{' (fake tensors)' if self.fake else ''}: {format_bytes(self.peak_bytes)}"
-
-    def __str__(self) -> str:
-        return "\n".join([self._title()] + self._lines())
+        return "\n".join(lines + [f"  note: {note}" for note in self.notes])
 
     __repr__ = __str__
 
-    def _repr_html_(self) -> str:
-        import html
 
-        return f"<pre><b>{html.escape(self._title())}</b>\n{html.escape(chr(10).join(self._lines()))}</pre>"
-
-
-class _MultiStepMemTracker(MemTracker if MemTracker is not None else object):
+class _MultiStepMemTracker(MemTracker):
     """MemTracker that accepts several training steps in one context (stock MemTracker raises at a second root
     forward; the per-module statistics it would keep are cleared instead: the course reads only the global peak)."""
 
@@ -253,13 +225,6 @@ class _MultiStepMemTracker(MemTracker if MemTracker is not None else object):
                 self._peak_mem_snap[dev] = dict(dev_snap)
 
 
-def _new_tracker():
-    if MemTracker is None:  # pragma: no cover
-        raise RuntimeError(f"This torch ({torch.__version__}) has no torch.distributed._tools.mem_tracker "
-                           f"({_IMPORT_ERROR}); install the course's torch (requirements.txt).")
-    return _MultiStepMemTracker()
-
-
 def _check_args(fn, model, optimizer, counters) -> None:
     callable_arg(fn, "fn", "a zero-argument callable (e.g. `lambda: train_step(batch)` or a def): wrap the code "
                  "you want to measure in a function")
@@ -268,10 +233,6 @@ def _check_args(fn, model, optimizer, counters) -> None:
     if optimizer is not None:
         _state_tensors(optimizer)
     _check_counters(counters)
-
-
-_COUNTER_METHODS = ("synchronize", "empty_cache", "reset_peak_memory_stats", "memory_allocated",
-                    "max_memory_allocated", "memory_reserved", "max_memory_reserved", "mem_get_info")
 
 
 def _check_counters(counters) -> None:
@@ -291,7 +252,7 @@ def measure_memory(fn, *, model: nn.Module | None = None, optimizer=None, counte
     """Run ``fn()`` and report its peak memory and what filled it."""
     _check_args(fn, model, optimizer, counters)
     device = _model_device(model, optimizer)
-    tracker = _new_tracker()
+    tracker = _MultiStepMemTracker()
     tracker.track_external(*(obj for obj in (model, optimizer) if obj is not None))
     fake = any(_is_fake(p) for p in (model.parameters() if model is not None else []))
     if counters is None and device.type == "cuda" and not fake and torch.cuda.is_available():
@@ -305,14 +266,12 @@ def measure_memory(fn, *, model: nn.Module | None = None, optimizer=None, counte
         allocated_at_start = counters.memory_allocated()
         reserved_at_start = counters.memory_reserved()
 
-    start = time.perf_counter()
     with tracker:
         fn()
-    if counters is not None:
-        counters.synchronize()
-    seconds = time.perf_counter() - start
-
-    dev_snap = _pick_device_snapshot(tracker.get_tracker_snapshot("peak"), device)
+    snapshots = tracker.get_tracker_snapshot("peak")
+    same = [snap for dev, snap in snapshots.items() if torch.device(dev).type == device.type]
+    # fn worked on another device than the model's (or no model): take the busiest one
+    dev_snap = same[0] if same else max(snapshots.values(), key=lambda s: s.get("Total", 0), default={})
     by_category = dict.fromkeys(CATEGORIES, 0)
     for key, value in dev_snap.items():
         if getattr(key, "value", key) in _TRACKER_TO_CATEGORY:
@@ -331,23 +290,18 @@ def measure_memory(fn, *, model: nn.Module | None = None, optimizer=None, counte
     figures = {"peak_bytes": tracked_peak, "reserved_peak_bytes": None, "cuda_context_bytes": None}
     readings = None
     if counters is not None:
+        counters.synchronize()
         free, total = counters.mem_get_info()
         readings = {"allocated_at_start": allocated_at_start, "max_allocated": counters.max_memory_allocated(),
                     "reserved_at_start": reserved_at_start, "max_reserved": counters.max_memory_reserved(),
-                    "device_free": int(free), "device_total": int(total), "reserved_now": counters.memory_reserved()}
+                    "device_free": free, "device_total": total, "reserved_now": counters.memory_reserved()}
         figures = combine_allocator_counters(state_bytes=state_at_start, **readings)
         notes.append(f"peak from the caching allocator's counters (state + what fn added); "
                      f"tensor tracking saw {format_bytes(tracked_peak)}")
-    return MemoryReport(peak_bytes=figures["peak_bytes"], by_category=by_category, device=str(device), seconds=seconds,
+    return MemoryReport(peak_bytes=figures["peak_bytes"], by_category=by_category, device=str(device),
                         optimizer_state_bytes=state_bytes, tracked_peak_bytes=tracked_peak, fake=fake, notes=notes,
                         reserved_peak_bytes=figures["reserved_peak_bytes"],
                         cuda_context_bytes=figures["cuda_context_bytes"], allocator_readings=readings)
-
-
-def _pick_device_snapshot(snapshots: dict, device: torch.device) -> dict:
-    same = [snap for dev, snap in snapshots.items() if torch.device(dev).type == device.type]
-    # fn worked on another device than the model's (or no model): take the busiest one
-    return same[0] if same else max(snapshots.values(), key=lambda s: s.get("Total", 0), default={})
 
 
 def live_bytes_over_steps(step: Callable[[int], object], n_steps: int, *, device=None, counters=None) -> list[int]:
@@ -371,40 +325,25 @@ def live_bytes_over_steps(step: Callable[[int], object], n_steps: int, *, device
     return series
 
 
-class _LiveBytes:
+class _LiveBytes(TorchDispatchMode):
     """Counts the bytes of storages created while active and still alive (CPU or fake tensors). Not MemTracker:
     its module hooks keep the last forward's graph alive when no backward runs, which would fake a leak."""
 
     def __init__(self):
-        from torch.utils._python_dispatch import TorchDispatchMode
-        from torch.utils._pytree import tree_flatten
+        super().__init__()
+        self.current, self._live = 0, {}
 
-        tracker, self.current, self._live = self, 0, {}
-
-        class _Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                out = func(*args, **(kwargs or {}))
-                older = {storage_key(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
-                for t in tree_flatten(out)[0]:
-                    if isinstance(t, torch.Tensor) and storage_key(t) not in older:
-                        tracker._add(t)
-                return out
-
-        self._mode = _Mode()
-
-    def __enter__(self):
-        self._mode.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        return self._mode.__exit__(*exc)
-
-    def _add(self, t: torch.Tensor) -> None:
-        key, storage = storage_key(t), t.untyped_storage()
-        if key not in self._live:
-            self._live[key] = storage.nbytes()
-            self.current += storage.nbytes()
-            weakref.finalize(storage, self._free, key)
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        older = {storage_key(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            key = storage_key(t) if isinstance(t, torch.Tensor) else None
+            if key is not None and key not in older and key not in self._live:
+                storage = t.untyped_storage()
+                self._live[key] = storage.nbytes()
+                self.current += storage.nbytes()
+                weakref.finalize(storage, self._free, key)
+        return out
 
     def _free(self, key: int) -> None:
         self.current -= self._live.pop(key, 0)

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .memory import _TRACKER_TO_CATEGORY, CATEGORIES, _check_args, _new_tracker, _MultiStepMemTracker
+from .memory import _TRACKER_TO_CATEGORY, CATEGORIES, _check_args, _MultiStepMemTracker
 from .models import _is_fake
 from .units import GIB, KIB, MIB
 
@@ -97,7 +97,6 @@ class Timeline:
 def record_timeline(fn, *, model: nn.Module | None = None, optimizer=None) -> Timeline:
     """Run ``fn()`` and record every allocation and free, by category and phase."""
     _check_args(fn, model, optimizer, None)
-    _new_tracker()  # says which torch to install when MemTracker is missing
     import pandas as pd
 
     recorder = _Recorder()
