@@ -57,7 +57,7 @@ def test_recompute_all_n4_by_hand():
 
 
 def test_every_k_n4_k2_by_hand():
-    s = simulate(4, "every_k", k=2)
+    s = simulate(4, "every_k")  # k = sqrt(4) = 2
     assert s.checkpoints == (2, 4)
     assert s.ops == ["f1", "f2", "f3", "f4", "b4", "f3", "b3", "b2", "f1", "b1"]
     assert s.memory == [1, 2, 2, 3, 3, 3, 4, 3, 2, 3]
@@ -100,7 +100,7 @@ def test_unequal_sizes_count_bytes():
 
 
 def test_checkpoints_strategy_matches_every_k():
-    a = simulate(16, "every_k", k=4)
+    a = simulate(16, "every_k")  # k = sqrt(16) = 4
     b = simulate(16, "checkpoints", checkpoints=[12, 4, 8, 16, 8])
     assert a.ops == b.ops and a.memory == b.memory and b.checkpoints == (4, 8, 12, 16)
 
@@ -112,16 +112,16 @@ def test_no_checkpoints_with_keep_recomputed_is_like_store_all_plus_one_forward(
 
 
 def test_summary():
-    s = simulate(4, "every_k", k=2)
+    s = simulate(4, "every_k")
     assert s.steps == 10 and sum(s.recomputed) == 2
     summ = s.summary()
     assert summ["peak_nodes"] == 4 and summ["forward_ratio"] == 1.5
 
 
-def test_record_live_off_for_long_chains():
+def test_live_sets_not_recorded_for_long_chains():
     s = simulate(1024, "every_k")
     assert s.live is None
-    with pytest.raises(ValueError, match="record_live"):
+    with pytest.raises(ValueError, match="up to 200 layers"):
         s.live_at(0)
 
 
@@ -231,18 +231,15 @@ def test_chain_explorer_builds():
         (dict(n=2.5), TypeError, "must be a whole number"),
         (dict(n=True), TypeError, "must be a whole number"),
         (dict(n=4, strategy="sqrt"), ValueError, "Unknown strategy"),
-        (dict(n=4, strategy="every_k", k=0), ValueError, "must be positive"),
-        (dict(n=4, strategy="every_k", k=5), ValueError, "between 1 and n"),
-        (dict(n=4, strategy="every_k", k=2.0), TypeError, "spacing"),
-        (dict(n=4, strategy="store_all", k=2), ValueError, "does not use it"),
         (dict(n=4, strategy="checkpoints"), ValueError, "needs checkpoints"),
         (dict(n=4, strategy="checkpoints", checkpoints=[5]), ValueError, "outside the chain"),
-        (dict(n=4, strategy="checkpoints", checkpoints=["2"]), TypeError, "ints between"),
+        (dict(n=4, strategy="checkpoints", checkpoints=["2"]), TypeError, "checkpoint position must be a whole"),
+        (dict(n=4, strategy="checkpoints", checkpoints=[0]), ValueError, "must be positive"),
         (dict(n=4, strategy="checkpoints", checkpoints="23"), TypeError, "list of layer positions"),
         (dict(n=4, strategy="every_k", checkpoints=[2]), ValueError, "goes with strategy"),
-        (dict(n=3, sizes=[1, 2]), ValueError, "one size per layer"),
-        (dict(n=2, sizes=[1, -2]), ValueError, "positive number"),
-        (dict(n=2, sizes=5), TypeError, "list of 2 positive"),
+        (dict(n=3, sizes=[1, 2]), ValueError, "one per layer"),
+        (dict(n=2, sizes=[1, -2]), ValueError, "positive numbers"),
+        (dict(n=2, sizes=5), ValueError, "list 2 positive"),
     ],
 )
 def test_simulate_bad_input(kwargs, exc, match):
@@ -251,32 +248,14 @@ def test_simulate_bad_input(kwargs, exc, match):
 
 
 def test_other_bad_input():
-    with pytest.raises(ValueError, match="between 1 and n"):
-        ck.segment_checkpoints(4, 5)
-    with pytest.raises(ValueError, match="max_segments"):
-        best_segment_count(4, max_segments=9)
     with pytest.raises(ValueError, match="n <= 16"):
         optimal_checkpoints([1] * 17, 100)
     with pytest.raises(ValueError, match="budget must be a positive"):
         optimal_checkpoints([1, 2], 0)
-    with pytest.raises(ValueError, match="sizes must list"):
-        optimal_checkpoints([], 3)
     with pytest.raises(ValueError, match="budget must be a positive"):
         evaluate_checkpoints([1, 2], -1, [1])
-    with pytest.raises(TypeError, match="list of chain lengths"):
-        sweep(16)
-    with pytest.raises(ValueError, match="sweep strategies"):
-        sweep([4], strategies=["checkpoints"])
-    with pytest.raises(ValueError, match="outside the schedule"):
-        simulate(3, "store_all").live_at(6)
     with pytest.raises(ValueError, match="keep n <= 16"):
         draw_strategy_grid(17)
-    with pytest.raises(TypeError, match="simulate"):
-        ck.draw_step("not a schedule", 0)
-    with pytest.raises(ValueError, match="columns"):
-        ck.plot_scaling([1, 2, 3])
-    with pytest.raises(TypeError, match="non-empty list"):
-        ck.plot_timelines([])
 
 
 # ---------------------------------------------------------------- the rule is checked
@@ -323,9 +302,5 @@ def test_small_helpers_bad_input():
     assert ck.default_k(10) == 3 and ck.default_k(1) == 1
     with pytest.raises(ValueError, match="must be positive"):
         ck.default_k(0)
-    with pytest.raises(ValueError, match="count must be"):
-        ck.interesting_steps(simulate(3, "store_all"), 0)
-    with pytest.raises(TypeError, match="simulate"):
-        ck.interesting_steps([1, 2], 2)
     with pytest.raises(ValueError, match="keep n <= 16"):
         chain_explorer(20)
