@@ -15,11 +15,19 @@ from pathlib import Path
 from course_utils import results
 
 
+def load_all(folder: str | Path) -> dict[str, dict]:
+    """``{notebook: {figure: entry}}`` for every results file in the folder."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ValueError(f"No results folder at {folder}: run a notebook first, or pass the folder that holds them.")
+    return {p.stem: results.load_notebook(p.stem, folder) for p in sorted(folder.glob("*.json"))}
+
+
 def compare_frames(dir_a: str | Path, dir_b: str | Path, *, notebook: str | None = None):
     """A pandas DataFrame with one row per (notebook, figure) found in either folder."""
     import pandas as pd
 
-    a, b = results.load_all(dir_a), results.load_all(dir_b)
+    a, b = load_all(dir_a), load_all(dir_b)
     notebooks = sorted(set(a) | set(b))
     if notebook is not None:
         if notebook not in notebooks:

@@ -8,48 +8,43 @@ from typing import Callable, Sequence
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 from .memory import MIB, measure_memory
 from .timing import time_fn
-from .validation import positive_int
+from .validation import callable_arg, positive_int
 
 
-def _check_module(model, name: str = "model") -> None:
+def _trainable(model) -> list[nn.Parameter]:
     if not isinstance(model, nn.Module):
-        raise TypeError(f"{name} must be a torch.nn.Module, not {type(model).__name__}.")
+        raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}.")
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("The model has no trainable parameters, so it has no gradient or update to compare.")
+    return params
 
 
 def flat_grad(model: nn.Module) -> torch.Tensor:
     """All parameter gradients as one float64 vector (a parameter without ``.grad`` counts as zeros)."""
-    _check_module(model)
-    params = [p for p in model.parameters() if p.requires_grad]
-    if not params:
-        raise ValueError("The model has no trainable parameters, so it has no gradient to compare.")
     return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1).double().cpu()
-                      for p in params])
+                      for p in _trainable(model)])
 
 
 def flat_params(model: nn.Module) -> torch.Tensor:
     """All trainable parameters as one float64 vector (to compare two models after an update)."""
-    _check_module(model)
-    params = [p.detach().reshape(-1).double().cpu() for p in model.parameters() if p.requires_grad]
-    if not params:
-        raise ValueError("The model has no trainable parameters.")
-    return torch.cat(params)
+    return torch.cat([p.detach().reshape(-1).double().cpu() for p in _trainable(model)])
 
 
-def rel_diff(a, b) -> float:
-    """``||a - b|| / ||b||`` for two tensors (or two models' gradients): 0 when equal, ~1 when unrelated."""
-    a, b = (flat_grad(t) if isinstance(t, nn.Module) else t for t in (a, b))
+def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``||a - b|| / ||b||`` for two tensors (e.g. two :func:`flat_grad`): 0 when equal, ~1 when unrelated."""
     if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
-        raise TypeError(f"rel_diff compares two tensors or two models, not {type(a).__name__} and {type(b).__name__}.")
+        raise TypeError(f"rel_diff compares two tensors, not {type(a).__name__} and {type(b).__name__}.")
     if a.shape != b.shape:
         raise ValueError(f"Shapes differ: {tuple(a.shape)} vs {tuple(b.shape)}; compare the same model's gradients.")
-    a, b = a.detach().double().reshape(-1), b.detach().double().reshape(-1)
-    norm_b = torch.linalg.vector_norm(b)
+    norm_b = torch.linalg.vector_norm(b.detach().double())
     if not norm_b > 0:
         raise ValueError("The reference (second argument) is all zeros: run backward() before comparing gradients.")
-    return float(torch.linalg.vector_norm(a - b) / norm_b)
+    return float(torch.linalg.vector_norm(a.detach().double() - b.detach().double()) / norm_b)
 
 
 def small_cnn(norm: str = "group", *, width: int = 16, in_channels: int = 1, n_classes: int = 10) -> nn.Sequential:
@@ -79,31 +74,26 @@ def micro_batches(images: torch.Tensor, labels: torch.Tensor, k: int) -> list[tu
 def sweep_micro_batch_sizes(model: nn.Module, optimizer: torch.optim.Optimizer,
                             micro_step: Callable[[torch.Tensor, torch.Tensor, int], None], optimizer_step: Callable[[], None],
                             images: torch.Tensor, labels: torch.Tensor, micro_batch_sizes: Sequence[int], *,
-                            whole_cycle: bool = False, progress: bool = True, min_run_time: float = 0.2):
+                            whole_cycle: bool = False, min_run_time: float = 0.2):
     """Peak memory and time per sample of one accumulated update, for each micro-batch size (a DataFrame).
     ``micro_step(x, y, n_total)`` and ``optimizer_step()`` come from the notebook; an OOM gives fits=False."""
     import pandas as pd
 
-    _check_module(model)
+    _trainable(model)
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, not {type(optimizer).__name__}.")
-    if not callable(micro_step) or not callable(optimizer_step):
-        raise TypeError("micro_step and optimizer_step must be callables (functions defined in the notebook).")
+    callable_arg(micro_step, "micro_step", "the notebook's function (x, y, n_total)")
+    callable_arg(optimizer_step, "optimizer_step", "the notebook's zero-argument function")
     n = len(images)
     if len(labels) != n or n == 0:
         raise ValueError(f"images ({len(images)}) and labels ({len(labels)}) must be the same non-zero length.")
-    sizes = list(micro_batch_sizes)
-    if not sizes:
+    if not micro_batch_sizes:
         raise ValueError("micro_batch_sizes is empty: pass e.g. [256, 128, 64].")
-    for m in sizes:
-        if isinstance(m, bool) or not isinstance(m, int) or m < 1 or n % m:
-            raise ValueError(f"Each micro-batch size must be a positive int that divides the batch of {n}; {m!r} does not.")
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:  # pragma: no cover
-        progress = False
+    for m in micro_batch_sizes:
+        if positive_int(m, "each micro-batch size") and n % m:
+            raise ValueError(f"Each micro-batch size must divide the batch of {n}; {m!r} does not.")
     rows = []
-    for m in tqdm(sizes, desc="micro-batch sizes") if progress else sizes:
+    for m in tqdm(micro_batch_sizes, desc="micro-batch sizes"):
         k, chunks = n // m, [(images[i : i + m], labels[i : i + m]) for i in range(0, n, m)]
         row = {"micro_batch": m, "k": k, "fits": True}
         try:
@@ -122,8 +112,8 @@ def sweep_micro_batch_sizes(model: nn.Module, optimizer: torch.optim.Optimizer,
                     micro_step(x, y, n)
                 optimizer_step()
             report = measure_memory(work, model=model, optimizer=optimizer)
-        except Exception as err:  # a micro-batch too big for the GPU: record it and go on
-            if not is_oom(err):
+        except RuntimeError as err:  # torch.OutOfMemoryError is one: a micro-batch too big for the GPU, recorded
+            if "out of memory" not in str(err).lower():
                 raise
             optimizer.zero_grad(set_to_none=True)
             if torch.cuda.is_available():
@@ -137,7 +127,7 @@ def sweep_micro_batch_sizes(model: nn.Module, optimizer: torch.optim.Optimizer,
     return pd.DataFrame(rows)
 
 
-def plot_tradeoff(df, *, title: str = "", axes=None):
+def plot_tradeoff(df, *, title: str = ""):
     """Two panels from :func:`sweep_micro_batch_sizes`: peak memory and time per sample vs micro-batch size."""
     import matplotlib.pyplot as plt
     import seaborn as sns
@@ -145,11 +135,11 @@ def plot_tradeoff(df, *, title: str = "", axes=None):
     needed = {"micro_batch", "peak_MiB", "seconds_per_sample"}
     if not hasattr(df, "columns") or not needed <= set(df.columns):
         raise ValueError(f"plot_tradeoff needs the DataFrame of sweep_micro_batch_sizes (columns {sorted(needed)}).")
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6)) if axes is None else (axes[0].figure, axes)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
     ms = df.assign(ms_per_sample=df["seconds_per_sample"] * 1000)
-    for ax, y, ylabel, panel, color in ((axes[0], "peak_MiB", "peak memory (MiB)", "memory", None),
+    for ax, y, ylabel, panel, color in ((axes[0], "peak_MiB", "peak memory (MiB)", "memory", "C0"),
                                         (axes[1], "ms_per_sample", "ms per sample", "time", "C1")):
-        sns.lineplot(data=ms, x="micro_batch", y=y, marker="o", ax=ax, **({"color": color} if color else {}))
+        sns.lineplot(data=ms, x="micro_batch", y=y, marker="o", ax=ax, color=color)
         ax.set(xscale="log", xlabel="micro-batch size", ylabel=ylabel, title=panel)
         ax.set_ylim(bottom=0)
         ax.set_xticks(list(df["micro_batch"]), [str(v) for v in df["micro_batch"]])
@@ -158,8 +148,3 @@ def plot_tradeoff(df, *, title: str = "", axes=None):
         fig.suptitle(title)
     fig.tight_layout()
     return fig
-
-
-def is_oom(err: BaseException) -> bool:
-    """True for an out-of-memory error (``torch.OutOfMemoryError``, or a RuntimeError saying so)."""
-    return isinstance(err, torch.OutOfMemoryError) or (isinstance(err, RuntimeError) and "out of memory" in str(err).lower())

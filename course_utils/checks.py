@@ -63,17 +63,14 @@ def check_exercise(name: str, learner_value, reference_value, *, rel_tol: float 
 
 
 def _matches(a, b, rel_tol: float) -> bool:
-    try:
-        import torch
+    import torch
 
-        if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-            a_t, b_t = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
-            if a_t.shape != b_t.shape:
-                raise ValueError(f"shape {tuple(a_t.shape)} vs {tuple(b_t.shape)}")
-            scale = b_t.abs().max().clamp_min(1e-30)
-            return bool(((a_t - b_t).abs().max() / scale) <= max(rel_tol, 1e-12))
-    except ImportError:  # pragma: no cover
-        pass
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        a_t, b_t = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
+        if a_t.shape != b_t.shape:
+            raise ValueError(f"shape {tuple(a_t.shape)} vs {tuple(b_t.shape)}")
+        scale = b_t.abs().max().clamp_min(1e-30)
+        return bool(((a_t - b_t).abs().max() / scale) <= max(rel_tol, 1e-12))
     if isinstance(b, (int, float)) and not isinstance(b, bool):
         return abs(float(a) - b) <= rel_tol * max(abs(b), 1e-30) if rel_tol else float(a) == b
     if isinstance(b, (set, frozenset)):

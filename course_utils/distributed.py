@@ -11,11 +11,14 @@ import torch
 import torch.nn.functional as F
 
 from .units import GIB
-from .validation import callable_arg, positive_int, positive_number
+from .validation import callable_arg, positive_int
 
 ZERO_STAGES = (0, 1, 2, 3)
 STAGE_LABELS = {0: "DDP (nothing sharded)", 1: "ZeRO-1 (optimizer sharded)", 2: "ZeRO-2 (+ gradients)",
                 3: "ZeRO-3 / FSDP (+ parameters)"}
+# mixed-precision Adam: fp16 weights and gradients, fp32 master weights + m + v; the stage from which each is sharded
+BYTES_PER_PARAM = {"params": 2, "grads": 2, "optimizer": 12}
+SHARDED_FROM = {"params": 3, "grads": 2, "optimizer": 1}
 
 
 @dataclass(frozen=True)
@@ -31,56 +34,46 @@ class ZeroBytes:
     total = property(lambda self: self.params + self.grads + self.optimizer)
 
 
-def zero_bytes_per_rank(n_params: int, world_size: int, stage: int, *, param_bytes: float = 2,
-                        grad_bytes: float = 2, optimizer_bytes: float = 12) -> ZeroBytes:
+def zero_bytes_per_rank(n_params: int, world_size: int, stage: int) -> ZeroBytes:
     """Per-rank model-state bytes under ZeRO ``stage`` (1: optimizer state sharded, 2: + gradients, 3: + parameters);
     a shard is ceil(bytes / world_size). Activations are not included."""
     n_params = positive_int(n_params, "n_params", "number of parameters, e.g. 1_557_611_200")
     world_size = positive_int(world_size, "world_size", "number of ranks, e.g. 8")
-    if isinstance(stage, bool) or not isinstance(stage, int) or stage not in ZERO_STAGES:
+    if isinstance(stage, bool) or stage not in ZERO_STAGES:
         raise ValueError(f"stage must be one of {ZERO_STAGES} (0 = plain data parallelism), not {stage!r}.")
-    out, per_param = {}, {"param": (param_bytes, 3), "grad": (grad_bytes, 2), "optimizer": (optimizer_bytes, 1)}
-    for name, (b, from_stage) in per_param.items():  # bytes per parameter, the stage from which it is sharded
-        full = n_params * positive_number(b, f"{name}_bytes (bytes per parameter)", allow_zero=True)
-        out[name] = int(math.ceil(full / world_size if stage >= from_stage else full))
-    return ZeroBytes(stage=stage, world_size=world_size, params=out["param"], grads=out["grad"], optimizer=out["optimizer"])
+    held = {name: math.ceil(n_params * b / world_size) if stage >= SHARDED_FROM[name] else n_params * b
+            for name, b in BYTES_PER_PARAM.items()}
+    return ZeroBytes(stage=stage, world_size=world_size, **held)
 
 
-def zero_table(n_params: int, world_sizes=(1, 2, 4, 8, 16, 32, 64), stages=ZERO_STAGES, **bytes_per_param):
+def zero_table(n_params: int, world_sizes=(1, 2, 4, 8, 16, 32, 64)):
     """A pandas DataFrame of :func:`zero_bytes_per_rank` for every stage and world size (long format)."""
     import pandas as pd
 
-    world_sizes, stages = list(world_sizes), list(stages)
-    if not world_sizes or not stages:
-        raise ValueError("world_sizes and stages must each list at least one value, e.g. world_sizes=(1, 2, 4).")
+    if not list(world_sizes):
+        raise ValueError("world_sizes must list at least one number of ranks, e.g. (1, 2, 4).")
     rows = []
-    for stage, n in itertools.product(stages, world_sizes):
-        z = zero_bytes_per_rank(n_params, n, stage, **bytes_per_param)
-        rows.append({"stage": stage, "strategy": STAGE_LABELS[stage], "world_size": n, **asdict(z), "total": z.total,
+    for stage, n in itertools.product(ZERO_STAGES, world_sizes):
+        z = zero_bytes_per_rank(n_params, n, stage)
+        rows.append({"stage": stage, "strategy": STAGE_LABELS[stage], **asdict(z), "total": z.total,
                      "total_GiB": z.total / GIB})
     return pd.DataFrame(rows)
 
 
-def min_world_size(n_params: int, budget_bytes: int, stage: int, *, max_world_size: int = 4096,
-                   **bytes_per_param) -> int | None:
-    """The fewest ranks whose per-rank model state fits ``budget_bytes`` under ``stage``; None if none does."""
+def min_world_size(n_params: int, budget_bytes: int, stage: int) -> int | None:
+    """The fewest ranks (up to 4096) whose per-rank model state fits ``budget_bytes`` under ``stage``; else None."""
     budget_bytes = positive_int(budget_bytes, "budget_bytes", "e.g. 80 * 1024**3")
-    max_world_size = positive_int(max_world_size, "max_world_size")
-    for n in range(1, max_world_size + 1):
-        if zero_bytes_per_rank(n_params, n, stage, **bytes_per_param).total <= budget_bytes:
-            return n
-        if stage == 0:
-            return None  # nothing is sharded: more ranks never help
-    return None
+    fits = (n for n in range(1, 4097) if zero_bytes_per_rank(n_params, n, stage).total <= budget_bytes)
+    return next(fits, None)
 
 
 def plot_zero_per_rank(n_params: int, world_sizes=(1, 2, 4, 8, 16, 32, 64), *, budget_bytes: int | None = None,
-                       budget_label: str = "GPU memory", ax=None, title: str | None = None, **bytes_per_param):
+                       budget_label: str = "GPU memory", ax=None):
     """Per-rank model state (GiB) vs number of ranks, one line per ZeRO stage (log-2 x axis)."""
     import matplotlib.pyplot as plt
     import seaborn as sns
 
-    df = zero_table(n_params, world_sizes, **bytes_per_param)
+    df = zero_table(n_params, world_sizes)
     ax = ax or plt.subplots(figsize=(7, 4))[1]
     sns.lineplot(data=df, x="world_size", y="total_GiB", hue="strategy", marker="o", ax=ax)
     ax.set_xscale("log", base=2)
@@ -91,7 +84,7 @@ def plot_zero_per_rank(n_params: int, world_sizes=(1, 2, 4, 8, 16, 32, 64), *, b
         ax.text(ax.get_xlim()[0], budget_bytes / GIB, f" {budget_label}", va="bottom", ha="left", fontsize=9)
     ax.legend(title="strategy", loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
     ax.set(xlabel="number of data-parallel ranks", ylabel="model state per rank (GiB)",
-           title=title or f"ZeRO per-rank memory, {n_params / 1e9:.2f}B parameters, mixed-precision Adam")
+           title=f"ZeRO per-rank memory, {n_params / 1e9:.2f}B parameters, mixed-precision Adam")
     return ax
 
 
@@ -146,24 +139,19 @@ def plot_pipeline_schedule(p: int, m: int, *, ax=None, title: str | None = None)
     return ax
 
 
-def deepspeed_zero_offload_config(*, micro_batch_size: int = 4, grad_accum_steps: int = 16, stage: int = 2,
-                                  offload_params: bool = False, lr: float = 1e-5) -> dict:
+def deepspeed_zero_offload_config(*, micro_batch_size: int = 4, grad_accum_steps: int = 16, stage: int = 2) -> dict:
     """A DeepSpeed config for ZeRO-Offload (Ren et al. 2021): optimizer state and step on the CPU."""
     positive_int(micro_batch_size, "micro_batch_size")
     positive_int(grad_accum_steps, "grad_accum_steps")
     if stage not in (1, 2, 3) or isinstance(stage, bool):
         raise ValueError(f"ZeRO-Offload needs stage 1, 2 or 3, not {stage!r}.")
-    if offload_params and stage != 3:
-        raise ValueError("offload_params needs stage=3: only ZeRO-3 shards (and so can offload) the parameters.")
-    positive_number(lr, "lr", allow_zero=True)
-    zero = {"stage": stage, "offload_optimizer": {"device": "cpu", "pin_memory": True}, "overlap_comm": True,
-            "contiguous_gradients": True}
-    if offload_params:
-        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
     return {"train_micro_batch_size_per_gpu": micro_batch_size, "gradient_accumulation_steps": grad_accum_steps,
             "fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 16},
-            "optimizer": {"type": "AdamW", "params": {"lr": lr, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}},
-            "zero_optimization": zero, "zero_allow_untested_optimizer": True}
+            "optimizer": {"type": "AdamW",
+                          "params": {"lr": 1e-5, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}},
+            "zero_optimization": {"stage": stage, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+                                  "overlap_comm": True, "contiguous_gradients": True},
+            "zero_allow_untested_optimizer": True}
 
 
 def check_row_parallel(fn, *, seed: int = 0) -> bool:

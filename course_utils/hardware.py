@@ -4,7 +4,6 @@ from __future__ import annotations
 import os
 import platform
 import sys
-from dataclasses import dataclass
 
 import torch
 
@@ -27,21 +26,18 @@ PCIE_GB_PER_S = {"PCIe 3.0 x16": 15.75, "PCIe 4.0 x16": 31.5, "PCIe 5.0 x16": 63
 PCIE_EFFICIENCY = 0.8
 
 
-def gpu_bytes_needed(tensor_peak_bytes: int, *, context_bytes: int = CUDA_CONTEXT_BYTES,
-                     reserve_fraction: float = ALLOCATOR_RESERVE_FRACTION) -> int:
+def gpu_bytes_needed(tensor_peak_bytes: int) -> int:
     """Bytes a card must have for a step whose tensors peak at ``tensor_peak_bytes``: tensors + the allocator's
     reserve + the CUDA context. Every "fits in N GiB" compares this with the card."""
-    byte_counts(tensor_peak_bytes=tensor_peak_bytes, context_bytes=context_bytes)
-    if isinstance(reserve_fraction, bool) or not isinstance(reserve_fraction, (int, float)) or not 0 <= reserve_fraction < 1:
-        raise ValueError(f"reserve_fraction must be a number in [0, 1), e.g. 0.05, not {reserve_fraction!r}.")
-    return int(tensor_peak_bytes + round(reserve_fraction * tensor_peak_bytes) + context_bytes)
+    byte_counts(tensor_peak_bytes=tensor_peak_bytes)
+    return int(tensor_peak_bytes + round(ALLOCATOR_RESERVE_FRACTION * tensor_peak_bytes) + CUDA_CONTEXT_BYTES)
 
 
 def device_type() -> str:
     """'cuda', 'mps' or 'cpu': the best accelerator PyTorch can use here."""
     if torch.cuda.is_available():
         return "cuda"
-    return "mps" if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available() else "cpu"
+    return "mps" if torch.backends.mps.is_available() else "cpu"
 
 
 def get_device() -> torch.device:
@@ -55,14 +51,10 @@ def gpu_name() -> str | None:
 
 def total_memory_bytes() -> int:
     """Memory of the device the course trains on: the GPU's, or the machine's RAM on CPU/MPS."""
-    if torch.cuda.is_available():
-        return int(torch.cuda.get_device_properties(0).total_memory)
-    try:
-        import psutil
+    import psutil
 
-        return int(psutil.virtual_memory().total)
-    except ImportError:  # pragma: no cover - psutil is in requirements
-        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    return int(torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available()
+               else psutil.virtual_memory().total)
 
 
 def compute_capability() -> tuple[int, int] | None:
@@ -140,29 +132,15 @@ def cap_gpu_memory(budget_gib: float) -> str:
             f"context ({how}).")
 
 
-@dataclass(frozen=True)
-class HardwareReport:
-    device: str
-    name: str
-    memory_bytes: int
-    compute_capability: tuple[int, int] | None
-    bf16_native: bool
-    colab: bool
-    profile: str
-
-    def __str__(self) -> str:
-        cc = f", cc {self.compute_capability[0]}.{self.compute_capability[1]}" if self.compute_capability else ""
-        return (f"device={self.device} ({self.name}{cc}), memory {self.memory_bytes / GIB:.1f} GiB, "
-                f"bf16 native: {'yes' if self.bf16_native else 'no'}, profile={self.profile}"
-                + (", on Colab" if self.colab else ""))
-
-
-def hardware_report() -> HardwareReport:
-    dev = device_type()
+def hardware_report() -> str:
+    """One line: device and its name, memory, compute capability, native bf16, profile, Colab."""
+    dev, cc = device_type(), compute_capability()
     name = {"cuda": gpu_name() or "CUDA GPU", "mps": "Apple GPU (MPS)"}.get(
         dev, f"{platform.processor() or platform.machine() or 'CPU'}, {os.cpu_count()} cores")
-    return HardwareReport(device=dev, name=name, memory_bytes=total_memory_bytes(), compute_capability=compute_capability(),
-                          bf16_native=supports_bf16(), colab=in_colab(), profile=course_profile())
+    name += f", cc {cc[0]}.{cc[1]}" if cc else ""
+    return (f"device={dev} ({name}), memory {total_memory_bytes() / GIB:.1f} GiB, "
+            f"bf16 native: {'yes' if supports_bf16() else 'no'}, profile={course_profile()}"
+            + (", on Colab" if in_colab() else ""))
 
 
 def banner() -> str:

@@ -9,6 +9,8 @@ import copy
 import torch
 from torch import nn
 
+from .validation import positive_int
+
 ATTENTION = {"math": "eager", "fused": "sdpa"}  # the course's name -> transformers' attn_implementation
 
 # The real GPT-2 family configs (Radford et al. 2019; Hugging Face's gpt2, gpt2-medium, -large, -xl).
@@ -23,18 +25,13 @@ def gpt2_config(name: str = "gpt2-xl", **overrides):
 
     if name not in GPT2_SIZES:
         raise ValueError(f"Unknown GPT-2 size {name!r}; choose one of {sorted(GPT2_SIZES)}.")
-    _positive_ints(**{k: overrides[k] for k in ("n_layer", "n_embd", "n_head", "vocab_size", "n_positions")
-                      if overrides.get(k) is not None})
+    for key in ("n_layer", "n_embd", "n_head", "vocab_size", "n_positions"):
+        if overrides.get(key) is not None:
+            positive_int(overrides[key], key)
     settings = {**GPT2_SIZES[name], **overrides}
     # GPT-2's <|endoftext|> is token 50256; a smaller test vocabulary needs an id inside it
     end = min(50256, settings.get("vocab_size", 50257) - 1)
     return GPT2Config(**{"bos_token_id": end, "eos_token_id": end, **settings})
-
-
-def _positive_ints(**named) -> None:
-    for name, value in named.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}.")
 
 
 @contextlib.contextmanager
@@ -124,6 +121,8 @@ def _fused_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal
 
 def mlp(n_layers: int = 4, width: int = 512, in_features: int = 784, n_classes: int = 10) -> nn.Sequential:
     """The course's MLP: Flatten, then ``n_layers`` Linear+ReLU blocks, then a classifier."""
-    _positive_ints(n_layers=n_layers, width=width, in_features=in_features, n_classes=n_classes)
+    sizes = {"n_layers": n_layers, "width": width, "in_features": in_features, "n_classes": n_classes}
+    for name, value in sizes.items():
+        positive_int(value, name)
     blocks = [m for i in range(n_layers) for m in (nn.Linear(in_features if i == 0 else width, width), nn.ReLU())]
     return nn.Sequential(nn.Flatten(), *blocks, nn.Linear(width, n_classes))

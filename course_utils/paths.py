@@ -44,13 +44,9 @@ def results_dir() -> Path:
     return Path(custom).expanduser() if custom else course_home() / "results"
 
 
-def drive_mounted() -> bool:
-    """True when Google Drive is mounted where Colab mounts it (``/content/drive/MyDrive``)."""
-    return (COLAB_DRIVE_MOUNT / "MyDrive").is_dir()
-
-
 def _checkpoints_on_drive() -> bool:
-    return not os.environ.get("COURSE_HOME", "").strip() and drive_mounted()
+    """True without COURSE_HOME when Google Drive is mounted where Colab mounts it."""
+    return not os.environ.get("COURSE_HOME", "").strip() and (COLAB_DRIVE_MOUNT / "MyDrive").is_dir()
 
 
 def checkpoints_dir(subfolder: str | None = None) -> Path:

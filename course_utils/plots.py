@@ -10,44 +10,29 @@ CATEGORY_COLORS = {"params": "#4C72B0", "grads": "#DD8452", "optimizer": "#55A86
                    "activations": "#C44E52", "other": "#937860", "overhead": "#BBBBBB"}
 
 
-def _as_categories(item) -> dict[str, int]:
-    if hasattr(item, "by_category"):
-        return dict(item.by_category)
-    if isinstance(item, Mapping):
-        return dict(item)
-    raise TypeError(f"Expected a MemoryReport, MemoryEstimate or a dict of bytes by category, not {type(item).__name__}.")
-
-
-def ledger_frame(items: Mapping[str, object]):
-    """Long-format DataFrame (scenario, category, bytes, GiB) from {scenario: report-or-dict}."""
-    import pandas as pd
-
-    if not items:
-        raise ValueError("Nothing to plot: pass at least one scenario, e.g. {'fp32 + Adam': report}.")
-    rows = []
-    for scenario, item in items.items():
-        for category, value in _as_categories(item).items():
-            if value < 0:
-                raise ValueError(f"{scenario}/{category} is negative ({value}); byte counts must be >= 0.")
-            rows.append({"scenario": scenario, "category": category, "bytes": int(value), "GiB": value / GIB})
-    return pd.DataFrame(rows)
-
-
 def plot_ledger(items: Mapping[str, object], *, budget_bytes: int | None = None, budget_label: str = "budget",
                 unit: str = "GiB", ax=None, title: str | None = None):
-    """Stacked horizontal bars, one per scenario, by category; a dashed line at the budget."""
+    """Stacked horizontal bars, one per scenario ``{name: MemoryReport, estimate or {category: bytes}}``, by
+    category; a dashed line at the budget."""
     import matplotlib.pyplot as plt
+    import pandas as pd
 
     if unit not in ("GiB", "MiB"):
         raise ValueError("unit must be 'GiB' or 'MiB'.")
-    scale, frame, scenarios = GIB if unit == "GiB" else MIB, ledger_frame(items), list(items)
+    if not items:
+        raise ValueError("Nothing to plot: pass at least one scenario, e.g. {'fp32 + Adam': report}.")
+    for item in items.values():
+        if not hasattr(item, "by_category") and not isinstance(item, Mapping):
+            raise TypeError(f"Expected a MemoryReport, MemoryEstimate or a dict of bytes by category, "
+                            f"not {type(item).__name__}.")
+    frame = pd.DataFrame({name: dict(getattr(item, "by_category", item)) for name, item in items.items()}).T.fillna(0)
+    if (frame < 0).any(axis=None):
+        raise ValueError(f"Byte counts must be >= 0; {list(frame.index[(frame < 0).any(axis=1)])} has a negative one.")
+    categories = [c for c in CATEGORY_ORDER if c in frame] + sorted(set(frame) - set(CATEGORY_ORDER))
     ax = ax or plt.subplots(figsize=(8, 0.6 * len(items) + 1.5))[1]
-    left = [0.0] * len(scenarios)
-    categories = [c for c in CATEGORY_ORDER if c in set(frame.category)] + sorted(set(frame.category) - set(CATEGORY_ORDER))
-    for category in categories:
-        widths = [frame[(frame.scenario == s) & (frame.category == category)].bytes.sum() / scale for s in scenarios]
-        ax.barh(scenarios, widths, left=left, label=category, color=CATEGORY_COLORS.get(category))
-        left = [l + w for l, w in zip(left, widths)]
+    scale = GIB if unit == "GiB" else MIB
+    (frame[categories] / scale).plot.barh(
+        stacked=True, width=0.8, ax=ax, color=[CATEGORY_COLORS.get(c, "#999999") for c in categories])
     if budget_bytes is not None:
         ax.axvline(budget_bytes / scale, color="black", linestyle="--", linewidth=1.5, label=budget_label)
     ax.invert_yaxis()

@@ -4,50 +4,46 @@ from __future__ import annotations
 
 import functools
 import math
+import statistics
 from pathlib import Path
 from typing import Callable
 
 import torch
 from torch import nn
 
+from .accumulation import flat_params
 from .validation import callable_arg, float_tensor, positive_number
 
 FORMATS = ("fp32", "tf32", "fp16", "bf16")
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 # bits of (sign, exponent, mantissa): finfo has no tf32, it is a matmul mode of fp32 tensors
 _LAYOUT = {"fp32": (1, 8, 23), "tf32": (1, 8, 10), "fp16": (1, 5, 10), "bf16": (1, 8, 7)}
 
 
 def _dtype(fmt) -> torch.dtype:
-    if isinstance(fmt, torch.dtype):
-        if fmt not in _DTYPES.values():
-            raise ValueError(f"dtype must be one of torch.float32/float16/bfloat16, not {fmt}.")
-        return fmt
-    if isinstance(fmt, str) and fmt.lower() in _DTYPES:
-        return _DTYPES[fmt.lower()]
-    raise ValueError(f"Unknown format {fmt!r}; use one of {sorted(_DTYPES)} or a torch float dtype.")
-
-
-def format_facts(fmt: str) -> dict:
-    """Bits, range and precision of one format, from ``torch.finfo`` (tf32 derived from fp32)."""
-    if not isinstance(fmt, str) or fmt.lower() not in _LAYOUT:
-        raise ValueError(f"Unknown format {fmt!r}; choose one of {FORMATS}.")
-    fmt = fmt.lower()
-    sign, exp, man = _LAYOUT[fmt]
-    info = torch.finfo(torch.float32 if fmt == "tf32" else _DTYPES[fmt])  # tf32: fp32's exponent, 10 mantissa bits
-    return {"format": fmt, "bits": sign + exp + man, "exponent_bits": exp, "mantissa_bits": man, "max": float(info.max),
-            "smallest_normal": float(info.smallest_normal), "smallest_subnormal": float(info.smallest_normal) * 2.0 ** -man,
-            "eps": 2.0 ** -man, "decimal_digits": round(math.log10(2.0 ** (man + 1)), 1),
-            "bytes_in_memory": 4 if fmt in ("fp32", "tf32") else 2}
+    dtype = _DTYPES.get(fmt) if isinstance(fmt, str) else fmt
+    if dtype not in _NAMES:
+        raise ValueError(f"Unknown format {fmt!r}; use one of {sorted(_DTYPES)} or torch.float32/float16/bfloat16.")
+    return dtype
 
 
 def format_table(formats=FORMATS):
-    """A pandas DataFrame, one row per format (see :func:`format_facts`)."""
+    """Bits, range and precision of each format, one row per format (a pandas DataFrame), from ``torch.finfo``."""
     import pandas as pd
 
-    if isinstance(formats, str) or not formats:
-        raise ValueError(f"formats must be a non-empty list such as {list(FORMATS)}, not {formats!r}.")
-    return pd.DataFrame([format_facts(f) for f in formats]).set_index("format")
+    if isinstance(formats, str) or not formats or not set(formats) <= set(_LAYOUT):
+        raise ValueError(f"formats must be a non-empty list of formats from {list(FORMATS)}, not {formats!r}.")
+    rows = []
+    for fmt in formats:
+        sign, exp, man = _LAYOUT[fmt]
+        info = torch.finfo(_DTYPES.get(fmt, torch.float32))  # tf32: fp32's exponent, 10 mantissa bits
+        rows.append({"format": fmt, "bits": sign + exp + man, "exponent_bits": exp, "mantissa_bits": man,
+                     "max": float(info.max), "smallest_normal": float(info.smallest_normal),
+                     "smallest_subnormal": float(info.smallest_normal) * 2.0 ** -man, "eps": 2.0 ** -man,
+                     "decimal_digits": round(math.log10(2.0 ** (man + 1)), 1),
+                     "bytes_in_memory": 4 if fmt in ("fp32", "tf32") else 2})
+    return pd.DataFrame(rows).set_index("format")
 
 
 def plot_ranges(formats=FORMATS, *, ax=None, mark: dict | None = None):
@@ -74,76 +70,54 @@ def plot_ranges(formats=FORMATS, *, ax=None, mark: dict | None = None):
     return ax
 
 
-def _scaled(tensor, scale) -> torch.Tensor:
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (scale > 0 and math.isfinite(scale)):
-        raise ValueError(f"scale must be a positive finite number such as 1024, not {scale!r}.")
-    return float_tensor(tensor, "tensor", "a gradient").detach().double().flatten() * scale
+def _finite_and_cast(tensor, dtype, scale) -> tuple[torch.Tensor, torch.Tensor]:
+    """The finite values of ``tensor * scale`` (float64), and the same values cast to ``dtype``."""
+    positive_number(scale, "scale", "e.g. 1024")
+    t = float_tensor(tensor, "tensor", "a gradient").detach().double().flatten() * scale
+    t = t[torch.isfinite(t)]
+    return t, t.to(_dtype(dtype))
 
 
 def underflow_fraction(tensor: torch.Tensor, dtype, *, scale: float = 1.0) -> float:
     """Share of the non-zero values of ``tensor * scale`` that become exactly 0 when cast to ``dtype``."""
-    t = _scaled(tensor, scale)
-    nonzero = t[(t != 0) & torch.isfinite(t)]
-    if nonzero.numel() == 0:
+    t, cast = _finite_and_cast(tensor, dtype, scale)
+    if not t.count_nonzero():
         raise ValueError("tensor has no non-zero finite values; run a backward pass first.")
-    return float((nonzero.to(_dtype(dtype)) == 0).double().mean())
+    return float((cast[t != 0] == 0).double().mean())
 
 
 def overflow_fraction(tensor: torch.Tensor, dtype, *, scale: float = 1.0) -> float:
     """Share of the finite values of ``tensor * scale`` that become inf when cast to ``dtype``."""
-    t = _scaled(tensor, scale)
-    finite = t[torch.isfinite(t)]
-    if finite.numel() == 0:
+    t, cast = _finite_and_cast(tensor, dtype, scale)
+    if t.numel() == 0:
         raise ValueError("tensor has no finite values.")
-    return float(torch.isinf(finite.to(_dtype(dtype))).double().mean())
-
-
-def flat_grads(model: nn.Module) -> torch.Tensor:
-    """All of a model's gradients as one flat fp32 tensor (after ``loss.backward()``)."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"flat_grads needs a torch.nn.Module, not {type(model).__name__}.")
-    grads = [p.grad.detach().float().flatten() for p in model.parameters() if p.grad is not None]
-    if not grads:
-        raise ValueError("The model has no gradients yet: call loss.backward() first.")
-    return torch.cat(grads)
-
-
-def _op_zoo():
-    import torch.nn.functional as F
-
-    target = lambda x: torch.zeros(x.shape[0], dtype=torch.long, device=x.device)  # noqa: E731
-    return {"matmul (x @ w)": lambda x, w: x @ w, "linear": lambda x, w: F.linear(x, w), "relu": lambda x, w: F.relu(x),
-            "gelu": lambda x, w: F.gelu(x), "softmax": lambda x, w: torch.softmax(x, -1),
-            "log_softmax": lambda x, w: F.log_softmax(x, -1), "layer_norm": lambda x, w: F.layer_norm(x, x.shape[-1:]),
-            "exp": lambda x, w: x.exp(), "sum": lambda x, w: x.sum(),
-            "cross_entropy": lambda x, w: F.cross_entropy(x, target(x)),
-            "mse_loss": lambda x, w: F.mse_loss(x, x.detach() * 2)}
+    return float(torch.isinf(cast).double().mean())
 
 
 def autocast_op_table(device_type: str, dtype=torch.bfloat16):
     """What dtype each op returns under ``torch.amp.autocast(device_type, dtype)``, fed fp32 tensors (autocast casts
     down its low-precision list) and fed ``dtype`` tensors (it casts up its fp32 list)."""
     import pandas as pd
+    import torch.nn.functional as F
 
     if device_type not in ("cpu", "cuda", "mps", "xpu"):
         raise ValueError(f"device_type must be 'cpu' or 'cuda' (or 'mps'), not {device_type!r}.")
     low = _dtype(dtype)
     if low == torch.float32:
         raise ValueError("dtype must be a 16-bit format (torch.bfloat16 or torch.float16).")
-    x = torch.randn(8, 16, device=device_type)
-    w = torch.randn(16, 16, device=device_type)
-    rows = []
-    for name, op in _op_zoo().items():
-        row = {"op": name}
-        for label, (xi, wi) in (("fp32 input", (x, w)), (f"{_short(low)} input", (x.to(low), w.to(low)))):
+    x, w = torch.randn(8, 16, device=device_type), torch.randn(16, 16, device=device_type)
+    target = torch.zeros(8, dtype=torch.long, device=device_type)
+    ops = {"matmul (x @ w)": lambda x, w: x @ w, "linear": F.linear, "relu": lambda x, w: F.relu(x),
+           "gelu": lambda x, w: F.gelu(x), "softmax": lambda x, w: torch.softmax(x, -1),
+           "log_softmax": lambda x, w: F.log_softmax(x, -1), "layer_norm": lambda x, w: F.layer_norm(x, x.shape[-1:]),
+           "exp": lambda x, w: x.exp(), "sum": lambda x, w: x.sum(),
+           "cross_entropy": lambda x, w: F.cross_entropy(x, target), "mse_loss": lambda x, w: F.mse_loss(x, x * 2)}
+    rows = {name: {} for name in ops}
+    for name, op in ops.items():
+        for label, args in (("fp32 input", (x, w)), (f"{_NAMES[low]} input", (x.to(low), w.to(low)))):
             with torch.amp.autocast(device_type, dtype=low):
-                row[label] = _short(op(xi, wi).dtype)
-        rows.append(row)
-    return pd.DataFrame(rows).set_index("op")
-
-
-def _short(dtype: torch.dtype) -> str:
-    return {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}.get(dtype, str(dtype))
+                rows[name][label] = _NAMES.get(op(*args).dtype)
+    return pd.DataFrame.from_dict(rows, orient="index").rename_axis("op")
 
 
 class ScaleLog:
@@ -151,7 +125,7 @@ class ScaleLog:
     gradients) exactly when the scale went down."""
 
     def __init__(self, scaler):
-        if not hasattr(scaler, "get_scale") or not hasattr(scaler, "update"):
+        if not isinstance(scaler, torch.amp.GradScaler):
             raise TypeError(f"ScaleLog needs a torch.amp.GradScaler, not {type(scaler).__name__}.")
         if not scaler.is_enabled():
             raise ValueError("This GradScaler is disabled (enabled=False): it has no scale to record.")
@@ -175,7 +149,7 @@ class ScaleLog:
         return pd.DataFrame({"step": range(1, len(self.scales) + 1), "scale": self.scales,
                              "skipped": self.skipped, "loss": self.losses})
 
-    def plot(self, ax=None, title: str = "GradScaler: loss scale per step"):
+    def plot(self, ax=None):
         import matplotlib.pyplot as plt
         import seaborn as sns
 
@@ -187,7 +161,7 @@ class ScaleLog:
         if len(skipped):
             ax.scatter(skipped.step, skipped.scale, color="crimson", zorder=3, label="skipped step (inf/NaN grads)")
         ax.set_yscale("log", base=2)
-        ax.set(title=title)
+        ax.set(title="GradScaler: loss scale per step")
         ax.legend()
         return ax
 
@@ -221,13 +195,11 @@ def decision_table():
 def cpu_bf16_features(cpuinfo: str | Path = "/proc/cpuinfo") -> list[str] | None:
     """The CPU's bf16 instruction sets (e.g. ``['amx_bf16', 'avx512_bf16']``), read from ``/proc/cpuinfo``."""
     try:
-        text = Path(cpuinfo).read_text()
+        lines = Path(cpuinfo).read_text().splitlines()
     except (OSError, TypeError):
         return None
-    flags = set()
-    for line in text.splitlines():
-        if line.startswith(("flags", "Features")) and ":" in line:  # x86 / ARM
-            flags.update(line.split(":", 1)[1].split())
+    flags = {flag for line in lines if line.startswith(("flags", "Features"))  # x86 / ARM
+             for flag in line.partition(":")[2].split()}
     return sorted(f for f in flags if "bf16" in f)
 
 
@@ -252,10 +224,6 @@ def _exercise_setup(device: torch.device):
     return model, optimizer, batches
 
 
-def _weights(model) -> torch.Tensor:
-    return torch.cat([p.detach().float().flatten().cpu() for p in model.parameters()])
-
-
 @functools.lru_cache(maxsize=4)
 def _reference_run(device: str, max_norm: float):
     """Loss scaling done by hand (no GradScaler): the checker's reference weights and norms."""
@@ -278,7 +246,7 @@ def _reference_run(device: str, max_norm: float):
         else:              # overflow: skip the update, halve the scale
             norms.append(math.inf)
             scale *= 0.5
-    return _weights(model), norms
+    return flat_params(model), norms
 
 
 def check_amp_step(step_fn: Callable, *, device: torch.device | str = "cpu", max_norm: float = 0.25) -> bool:
@@ -296,7 +264,7 @@ def check_amp_step(step_fn: Callable, *, device: torch.device | str = "cpu", max
     norms, skip = [], {}
     try:
         for k, (x, y) in enumerate(batches):
-            before, scale_before = _weights(model), scaler.get_scale()
+            before, scale_before = flat_params(model), scaler.get_scale()
             try:
                 out = step_fn(model, optimizer, scaler, x, y, max_norm)
             except NotImplementedError:
@@ -312,7 +280,7 @@ def check_amp_step(step_fn: Callable, *, device: torch.device | str = "cpu", max
                 return False
             norms.append(float(out[1]))
             if k == OVERFLOW_STEP:
-                after = _weights(model)
+                after = flat_params(model)
                 skip = {"moved": not torch.equal(before, after), "finite": bool(torch.isfinite(after).all()),
                         "backed_off": scaler.get_scale() < scale_before}
     finally:
@@ -328,18 +296,16 @@ def check_amp_step(step_fn: Callable, *, device: torch.device | str = "cpu", max
                         "scaler.step(optimizer) skips it; optimizer.step() does not.")
     if not skip["backed_off"]:
         problems.append(f"the scale did not drop after the overflow at step {OVERFLOW_STEP + 1}: scaler.update() lowers it.")
-    ratios = sorted(mine / ref for mine, ref in zip(norms, ref_norms) if math.isfinite(ref) and ref > 0)
-    median_ratio = ratios[len(ratios) // 2] if ratios else math.nan
-    nan_reported = math.isnan(median_ratio) and not skip["finite"]  # NaN weights give NaN norms: reported above
-    if not nan_reported and not abs(median_ratio - 1) <= 1e-3:
+    ratios = [mine / ref for mine, ref in zip(norms, ref_norms) if math.isfinite(ref) and ref > 0]
+    median_ratio = statistics.median(ratios) if ratios else math.nan
+    if skip["finite"] and not abs(median_ratio - 1) <= 1e-3:  # NaN weights give NaN norms: reported above
         why = (f" (of the order of the loss scale, {EXERCISE_SCALE:g}): clipping measured the scaled gradients"
                if median_ratio > 100 else "")
         problems.append(f"clip_grad_norm_ returned norms {median_ratio:.3g}x the true gradient norms{why}. "
                         "Clip the gradients once they are back to their true size.")
     for problem in problems:
         print(f"✗ {problem}")
-    ok = not problems and not nan_reported
     same = checks.check_exercise(f"weights after {EXERCISE_STEPS} steps match loss scaling done by hand",
-                                 _weights(model), ref_w, rel_tol=1e-4,
+                                 flat_params(model), ref_w, rel_tol=1e-4,
                                  hint="check the order of the scaler's calls and where clipping goes.")
-    return ok and same
+    return not problems and same

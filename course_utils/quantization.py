@@ -50,29 +50,26 @@ def state_table(optimizer, model: nn.Module | None = None):
     return df
 
 
-def bnb_roundtrip(x: torch.Tensor, *, blocksize: int = BNB_BLOCKSIZE, code: str = "dynamic") -> torch.Tensor:
-    """Quantize ``x`` with ``bitsandbytes.functional.quantize_blockwise`` and dequantize it back."""
+def bnb_roundtrip(x: torch.Tensor, *, blocksize: int = BNB_BLOCKSIZE, code: torch.Tensor | None = None) -> torch.Tensor:
+    """Quantize ``x`` with ``bitsandbytes.functional.quantize_blockwise`` and dequantize it back; ``code`` is the
+    256-value map (None: bitsandbytes' signed dynamic map)."""
     import bitsandbytes.functional as BF
 
     x = float_tensor(x, "x")
     if isinstance(blocksize, bool) or not isinstance(blocksize, int) or blocksize < 2:
         raise ValueError(f"blocksize must be an integer >= 2 (bitsandbytes uses 256), not {blocksize!r}.")
-    maps = {"dynamic": lambda: BF.create_dynamic_map(signed=True),
-            "dynamic_unsigned": lambda: BF.create_dynamic_map(signed=False),
-            "linear": lambda: BF.create_linear_map(signed=True)}
-    if code not in maps:
-        raise ValueError(f"code must be one of {sorted(maps)}, not {code!r}.")
-    q, qstate = BF.quantize_blockwise(x.detach().float().contiguous(), code=maps[code]().to(x.device), blocksize=blocksize)
+    if code is not None:
+        code = float_tensor(code, "code", "a 256-value map such as BF.create_dynamic_map(signed=False)").to(x.device)
+    q, qstate = BF.quantize_blockwise(x.detach().float().contiguous(), code=code, blocksize=blocksize)
     return BF.dequantize_blockwise(q, qstate).reshape(x.shape).to(x.dtype)
 
 
-def gpt2_tensor_sizes(name_or_config="gpt2-xl") -> list[int]:
-    """Element count of every parameter tensor of a GPT-2 (tied LM head counted once), from its config."""
+def gpt2_tensor_sizes(name: str = "gpt2-xl", **overrides) -> list[int]:
+    """Element count of every parameter tensor of a GPT-2 (tied LM head counted once), from its config
+    (:func:`course_utils.models.gpt2_config` with the same arguments)."""
     from . import models
 
-    config = models.gpt2_config(name_or_config) if isinstance(name_or_config, str) else name_or_config
-    if not all(hasattr(config, a) for a in ("n_embd", "n_layer", "vocab_size", "n_positions")):
-        raise TypeError("Pass a GPT-2 size name ('gpt2-xl') or a transformers GPT2Config.")
+    config = models.gpt2_config(name, **overrides)
     d, inner = config.n_embd, config.n_inner or 4 * config.n_embd
     # wte (tied with lm_head), wpe; per layer ln_1, attn.c_attn, attn.c_proj, ln_2, mlp.c_fc, mlp.c_proj (weight, bias);
     # ln_f

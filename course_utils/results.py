@@ -14,17 +14,10 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 _current_notebook: str | None = None
 
 
-results_dir = paths.results_dir
-
-
 def set_notebook(name: str) -> None:
     """Name the notebook whose figures :func:`record` writes (``01_memory_accounting``)."""
     global _current_notebook
     _current_notebook = _check_name(name, "notebook name")
-
-
-def current_notebook() -> str | None:
-    return _current_notebook
 
 
 def _check_name(name, what: str) -> str:
@@ -52,7 +45,7 @@ def record(name: str, value, unit: str, *, notebook: str | None = None) -> dict:
         raise ValueError(f"value for {name!r} is {value}; record a finite number.")
     value = list(value) if isinstance(value, tuple) else value
     entry = {"value": value, "unit": unit, "profile": hardware.course_profile(), "device": hardware.device_type()}
-    folder = results_dir()
+    folder = paths.results_dir()
     folder.mkdir(parents=True, exist_ok=True)
     path, data = folder / f"{notebook}.json", load_notebook(notebook, folder)
     data[name] = entry
@@ -63,18 +56,10 @@ def record(name: str, value, unit: str, *, notebook: str | None = None) -> dict:
 
 
 def load_notebook(notebook: str, folder: str | Path | None = None) -> dict:
-    path = Path(folder or results_dir()) / f"{notebook}.json"
+    path = Path(folder or paths.results_dir()) / f"{notebook}.json"
     if not path.exists():
         return {}
     try:
         return json.loads(path.read_text())
     except json.JSONDecodeError as err:
         raise ValueError(f"{path} is not valid JSON ({err}); delete it and re-run the notebook.") from None
-
-
-def load_all(folder: str | Path | None = None) -> dict[str, dict]:
-    """``{notebook: {figure: entry}}`` for every results file in the folder."""
-    folder = Path(folder or results_dir())
-    if not folder.is_dir():
-        raise ValueError(f"No results folder at {folder}: run a notebook first, or pass the folder that holds them.")
-    return {p.stem: load_notebook(p.stem, folder) for p in sorted(folder.glob("*.json"))}

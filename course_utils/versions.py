@@ -11,23 +11,15 @@ from packaging.utils import canonicalize_name
 from packaging.version import InvalidVersion, Version
 
 PACKAGES = ("torch", "transformers", "ipywidgets", "bitsandbytes")
-STATUSES = ("ok", "outside", "not installed", "no range declared")
-
-
-def parse_version(version: str) -> Version:
-    """``packaging``'s reading of a version string (PEP 440): '2.14.1+cu130' compares as 2.14.1 against a
-    bound, '2.5.0rc1' comes before '2.5.0'."""
-    if not isinstance(version, str):
-        raise TypeError(f"version must be a string such as '2.6.0', not {type(version).__name__}.")
-    try:
-        return Version(version.strip())
-    except InvalidVersion:
-        raise ValueError(f"Cannot read the version {version!r}: expected numbers separated by dots, e.g. '2.6.0'.") from None
 
 
 def in_range(version: str, specifier: str) -> bool:
-    """True when ``version`` meets every clause of ``specifier`` (e.g. '>=2.6,<=2.14.1'; '' = any)."""
-    installed = parse_version(version)
+    """True when ``version`` meets every clause of ``specifier`` (e.g. '>=2.6,<=2.14.1'; '' = any), read as pip
+    reads them (PEP 440): '2.14.1+cu130' compares as 2.14.1 against a bound, '2.5.0rc1' comes before '2.5.0'."""
+    try:
+        installed = Version(version.strip())
+    except InvalidVersion:
+        raise ValueError(f"Cannot read the version {version!r}: expected numbers separated by dots, e.g. '2.6.0'.") from None
     try:
         spec = SpecifierSet(specifier.replace(" ", ""))
     except InvalidSpecifier:
@@ -55,7 +47,8 @@ def declared_ranges(distribution: str = "course_utils") -> dict:
 
 @dataclass(frozen=True)
 class VersionCheck:
-    """One package: its installed version, the tested range and the verdict (one of ``STATUSES``)."""
+    """One package: its installed version, the tested range and the verdict ('ok', 'outside', 'not installed' or
+    'no range declared')."""
 
     package: str
     installed: str | None

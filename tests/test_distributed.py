@@ -40,11 +40,9 @@ def test_zero_stages_shard_optimizer_then_grads_then_params():
     assert z3.total == 16 / n * XL
 
 
-def test_zero_shards_round_up_and_custom_bytes():
+def test_zero_shards_round_up():
     z = D.zero_bytes_per_rank(10, 3, 3)   # 160 bytes over 3 ranks: padded shards
     assert (z.params, z.grads, z.optimizer) == (7, 7, 40)
-    fp32 = D.zero_bytes_per_rank(100, 4, 3, param_bytes=4, grad_bytes=4, optimizer_bytes=8)
-    assert fp32.total == 400
 
 
 def test_zero_table_and_min_world_size():
@@ -66,7 +64,6 @@ def test_zero_table_and_min_world_size():
     (dict(n_params=10, world_size=0, stage=1), ValueError),
     (dict(n_params=10, world_size=2, stage=4), ValueError),
     (dict(n_params=10, world_size=2, stage="3"), ValueError),
-    (dict(n_params=10, world_size=2, stage=1, param_bytes=-2), ValueError),
 ])
 def test_zero_bad_input(bad, err):
     with pytest.raises(err):
@@ -128,9 +125,6 @@ def test_deepspeed_config_is_json_and_checks_stage():
     assert json.loads(json.dumps(cfg)) == cfg
     assert cfg["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
     assert "offload_param" not in cfg["zero_optimization"]
-    assert "offload_param" in D.deepspeed_zero_offload_config(stage=3, offload_params=True)["zero_optimization"]
-    with pytest.raises(ValueError, match="stage=3"):
-        D.deepspeed_zero_offload_config(stage=2, offload_params=True)
     with pytest.raises(ValueError):
         D.deepspeed_zero_offload_config(stage=0)
 

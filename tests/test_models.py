@@ -25,14 +25,14 @@ def test_mlp_shape():
     assert sum(isinstance(m, torch.nn.Linear) for m in net) == 4
 
 
-@pytest.mark.parametrize("call, match", [
-    (lambda: models.gpt2_config("gpt-5"), "Unknown GPT-2 size"),
-    (lambda: models.gpt2_config("gpt2", n_layer=0), "n_layer must be a positive integer"),
-    (lambda: models.mlp(n_layers=-1), "n_layers must be a positive integer"),
-    (lambda: models.mlp(width=2.5), "width must be a positive integer"),
+@pytest.mark.parametrize("call, error, match", [
+    (lambda: models.gpt2_config("gpt-5"), ValueError, "Unknown GPT-2 size"),
+    (lambda: models.gpt2_config("gpt2", n_layer=0), ValueError, "n_layer must be positive"),
+    (lambda: models.mlp(n_layers=-1), ValueError, "n_layers must be positive"),
+    (lambda: models.mlp(width=2.5), TypeError, "width must be a whole number"),
 ])
-def test_bad_input(call, match):
-    with pytest.raises(ValueError, match=match):
+def test_bad_input(call, error, match):
+    with pytest.raises(error, match=match):
         call()
 
 

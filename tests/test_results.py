@@ -3,6 +3,7 @@ import json
 
 import pytest
 
+from course_tools.compare import load_all
 from course_utils import results
 
 
@@ -29,7 +30,7 @@ def test_record_overwrites_same_name_and_accepts_tensors(tmp_results):
     results.record("ratio", torch.tensor(0.5), "ratio", notebook="03_x")
     results.record("ratio", 0.25, "ratio", notebook="03_x")
     assert results.load_notebook("03_x")["ratio"]["value"] == 0.25
-    assert results.load_all() == {"03_x": results.load_notebook("03_x")}
+    assert load_all(tmp_results) == {"03_x": results.load_notebook("03_x")}
 
 
 def test_record_without_notebook_says_to_call_setup(tmp_results):
@@ -49,4 +50,4 @@ def test_bad_input(tmp_results, name, value, unit, error):
 
 def test_load_all_without_folder(tmp_path):
     with pytest.raises(ValueError, match="run a notebook first"):
-        results.load_all(tmp_path / "missing")
+        load_all(tmp_path / "missing")

@@ -9,7 +9,7 @@ from course_utils import results
 def test_setup_names_notebook_prints_banner_and_returns_profile(monkeypatch, capsys):
     monkeypatch.setenv("COURSE_PROFILE", "smoke")
     assert course_utils.setup("99_test_notebook") == "smoke"
-    assert results.current_notebook() == "99_test_notebook"
+    assert results._current_notebook == "99_test_notebook"
     assert "[course] device=" in capsys.readouterr().out
 
 
