@@ -1,6 +1,7 @@
 """Tests of course_utils.planner: presets, attention as each device runs it, validation against
 measure_memory and the capstone's fake-tensor measurement, the search, bad input."""
 import functools
+import json
 import math
 import warnings
 
@@ -12,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from course_tools import measure_presets
 from course_utils import capstone, hardware, memory, models, planner, results
 
 GIB = 1024**3
@@ -65,7 +67,7 @@ def test_model_presets_have_the_real_parameter_counts():
     ("bert-base", True, ("fp32",), ("cpu", "cuda-fused")),
 ])
 def test_stored_coefficients_match_a_fresh_measurement(name, fake, kinds, pricings):
-    fresh = planner.measure_spec_data(name, fake=fake, kinds=kinds, pricings=pricings)
+    fresh = measure_presets.measure_spec_data(name, fake=fake, kinds=kinds, pricings=pricings)
     stored = planner.presets()["models"][name]
     assert fresh["n_params"] == stored["n_params"]
     for pricing in pricings:
@@ -74,6 +76,16 @@ def test_stored_coefficients_match_a_fresh_measurement(name, fake, kinds, pricin
                 a = torch.tensor(fresh["acts"][pricing][kind][key], dtype=torch.float64).flatten()
                 b = torch.tensor(stored["acts"][pricing][kind][key], dtype=torch.float64).flatten()
                 assert torch.allclose(a, b, rtol=0.01, atol=1.0), (name, pricing, kind, key, a, b)
+
+
+def test_the_preset_tool_writes_presets_json_as_it_is():
+    from importlib import resources
+
+    text = resources.files("course_utils.planner").joinpath("presets.json").read_text(encoding="utf-8")
+    assert measure_presets.dumps(json.loads(text)) + "\n" == text
+    assert measure_presets.tidy({"a": [(4016128.0, 0.0), 207188.28125]}) == {"a": [[4016128, 0], 207188.281]}
+    with pytest.raises(ValueError, match="Unknown preset"):
+        measure_presets.measure_spec_data("gpt5")
 
 
 # ---------------------------------------------------------------- attention as each device runs it
@@ -308,7 +320,7 @@ def test_bad_names_and_sizes():
     with pytest.raises(ValueError, match="too big to train on a CPU"):
         planner.measure_on_cpu("gpt2-xl", micro_batch=1)
     with pytest.raises(ValueError, match="pass fake=True"):
-        planner.measure_spec_data("mlp", fake=False, pricings=("cuda",))
+        measure_presets.measure_spec_data("mlp", fake=False, pricings=("cuda",))
 
 
 def test_a_budget_nothing_fits_raises_with_what_to_change():

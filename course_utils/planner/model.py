@@ -1,68 +1,41 @@
 """The planner's two models: peak memory by category, and time per optimizer step.
 
-How the peak is predicted (tested against ``course_utils.memory.measure_memory``)
---------------------------------------------------------------------------------
-A model is a *head* (embeddings, classifier, loss) around ``n`` *blocks* (transformer layers,
-CNN stages, MLP layers). For each block we know, per sample, the bytes autograd saves (measured
-with saved-tensor hooks, see :mod:`.measure`: linear in sequence length or image area, plus a
-sequence-length-squared term for math attention), the bytes of its input (what a checkpoint
-keeps) and its largest saved tensor. A training step has three high points; the peak is the
-largest:
+Peak memory (tested against ``course_utils.memory.measure_memory``): a model is a *head* (embeddings, classifier,
+loss) around ``n`` *blocks* (transformer layers, CNN stages, MLP layers). For each block :mod:`.measure` measured, per
+sample, the bytes autograd saves (linear in sequence length or image area, plus a sequence-length-squared term for
+math attention), its input (what a checkpoint keeps) and its largest saved tensor. The peak is the highest of:
 
-* **start of backward**: everything forward saved + the returned logits while the loop holds
-  the outputs (``keep_outputs``) + the loss's temporaries (2 fp32 copies of the logits) + the
-  gradients already there (with accumulation they live across micro-batches);
-* **during backward, block by block** (from the last block to the first): activations of the
-  blocks not yet processed (with checkpointing: their inputs, plus the block being recomputed)
-  + gradients of the blocks done + 2 x the block's largest saved tensor (backward temporaries);
-* **optimizer step**: all gradients + the step's scratch (PyTorch's foreach Adam on CUDA: one
-  copy of the model; on CPU: two copies of the largest tensor; 8-bit Adam and SGD: none).
+* **the start of backward**: everything forward saved + the returned logits while the loop holds the outputs
+  (``keep_outputs``) + the loss's temporaries (2 fp32 copies of the logits) + the gradients already there (with
+  accumulation they live across micro-batches);
+* **backward, block by block** (last to first): activations of the blocks not yet processed (with checkpointing: their
+  inputs, plus the block being recomputed) + gradients of the blocks done + 2 x the block's largest saved tensor;
+* **the optimizer step**: all gradients + the step's scratch (foreach Adam on CUDA: one copy of the model; on a CPU:
+  two copies of the largest tensor; 8-bit Adam and SGD: none).
 
-On CUDA, ``overhead`` = what the card needs beyond the tensors: the caching allocator's reserve
-and the CUDA context (``course_utils.hardware.gpu_bytes_needed``). A plan fits when tensors +
-overhead fit the card's memory. The reserve stays a flat fraction of the tensors
-(``hardware.ALLOCATOR_RESERVE_FRACTION``, 5%) rather than a replay of each plan through the allocator
-simulator (``course_utils.allocator``, notebook 01b): replayed, fake training steps of GPT-2 (124M,
-8 x 512) and GPT-2-XL (1 x 1024) reserved 2.5% and 4.9% above their tensor peaks, so 5% holds for the
-models the planner is for, and a replay costs about half a minute per plan. Small models differ
-(their reserve is a few fixed 2 MiB / 20 MiB segments, not a fraction), which matters little
-against a card's gigabytes.
+On CUDA, ``overhead`` = the caching allocator's reserve + the CUDA context (``hardware.gpu_bytes_needed``); a plan fits
+when tensors + overhead fit the card. The reserve stays a flat fraction (``hardware.ALLOCATOR_RESERVE_FRACTION``, 5%)
+rather than a replay of each plan through the allocator simulator (notebook 01b): replayed fake steps of GPT-2 (124M,
+8 x 512) and GPT-2-XL (1 x 1024) reserved 2.5% and 4.9% above their tensor peaks, and a replay costs about half a
+minute per plan (small models reserve a few fixed segments instead, little against a card's gigabytes). Attention:
+'fused' (the default on CUDA) prices PyTorch's SDPA kernels, 'math' keeps T x T tensors (a CPU trains with it);
+dropout masks are priced as the device keeps them (CUDA: 1 byte per element).
 
-Attention (transformers): ``attention='fused'`` (the default on CUDA) prices PyTorch's SDPA
-kernels, ``'math'`` the written-out attention that keeps T x T tensors; a CPU trains with the math
-path. Dropout masks are priced at the size the device keeps them (CUDA: 1 byte per element).
+Time per optimizer step (the planner's own model, approximate) = compute + optimizer step + PCIe traffic:
 
-Time-cost model (the planner's own; stated, approximate)
---------------------------------------------------------
-Seconds per optimizer step = compute + optimizer step + PCIe traffic:
-
-* compute = training FLOPs (6 x params x tokens for transformers, 3 x the measured forward FLOPs
-  for CNNs/MLPs) / (GPU peak TFLOPS for the precision x ``MFU`` = 40%); fp16/bf16 use the tensor
-  core rate (a GTX 1080 Ti has none: its fp16 is 1/64 rate);
-* gradient checkpointing: compute x 4/3 (one extra forward: forward is ~1/3 of forward+backward);
-* gradient accumulation: the same samples in smaller micro-batches; each halving of the
-  micro-batch costs ``SMALL_BATCH_PENALTY`` = 10% of compute (a busy GPU needs big matrices);
-* optimizer step on the GPU: bytes it reads and writes / GPU memory bandwidth;
-* optimizer (and fp32 master weights) on the CPU: gradients down and weights up over the GPU's
-  PCIe link once per step, plus the CPU's update: ns per parameter of the CPU optimizer
-  (:func:`cpu_step_ns`: notebook 08's measurement on this machine when recorded, else a reference);
-* streaming gradients to the CPU: gradients cross PCIe once per *micro-batch* (counted in full:
-  an upper bound, copies can overlap with backward, notebook 06).
-
-The current toolbox (notebook 08; weights streamed: 09), each a toggle of :class:`Settings`:
-
-* ``offload_activations``: what forward saves (or the checkpoints) waits in host memory; the card
-  keeps the block being computed. ``stream_weights``: the weights wait on the host; the card keeps
-  the embedding and head and ``STREAMED_BLOCKS`` blocks (the one computing, the next prefetched).
-  Both copies run on a side stream beside compute, so only the part longer than compute shows:
-  time += max(0, copy time - compute). Offload: saved bytes down in forward, up in backward;
-  streaming: every weight up twice per micro-batch (forward, and backward's recompute).
-* ``chunked_loss``: the loss over ``LOSS_CHUNKS`` chunks of tokens, each checkpointed: one chunk's
-  logits and their fp32 copies at a time, for one more head matmul (2 x vocab x width per token).
-* ``fused_update``: each parameter steps as its gradient completes: one tensor's gradient at a
-  time (plus a tied embedding's, complete only when backward reaches the embedding).
-* ``lora_rank``: frozen weights (no gradients, no state), fp32 rank-r adapters on GPT-2's c_attn,
-  c_proj (both) and c_fc with their optimizer state; compute x 4/6 (no weight gradients).
+* compute = training FLOPs (6 x params x tokens for transformers, 3 x the measured forward FLOPs otherwise) / (the
+  GPU's peak TFLOPS for the precision x ``MFU``); fp16/bf16 at the tensor-core rate (a GTX 1080 Ti has none: 1/64
+  rate); checkpointing x 4/3 (one more forward, ~1/3 of forward+backward); each halving of the micro-batch costs
+  ``SMALL_BATCH_PENALTY`` of compute (a busy GPU needs big matrices);
+* the optimizer on the GPU: the bytes it reads and writes / memory bandwidth. On the CPU: gradients down and weights
+  up over PCIe once per step (streamed gradients: once per micro-batch, counted in full, an upper bound) + the CPU's
+  update at :func:`cpu_step_ns` per parameter;
+* notebooks 08-09's toggles (:class:`Settings`): ``offload_activations`` (what forward saves waits in host memory) and
+  ``stream_weights`` (the card keeps the embedding, the head and ``STREAMED_BLOCKS`` blocks: the one computing, the
+  next prefetched) copy on a side stream, so only the part longer than compute shows; ``chunked_loss`` (the loss over
+  ``LOSS_CHUNKS`` checkpointed chunks of tokens) costs one more head matmul; ``fused_update`` steps each parameter as
+  its gradient completes; ``lora_rank`` (frozen weights, fp32 adapters on GPT-2's c_attn, c_proj and c_fc) computes
+  4/6 (no weight gradients).
 """
 from __future__ import annotations
 
@@ -74,18 +47,15 @@ from ..hardware import gpu_bytes_needed
 from ..memory import CATEGORIES as MEMORY_CATEGORIES
 from ..units import GIB
 from ..validation import positive_int
-from .specs import GPUSpec, ModelSpec, get_gpu, get_model
+from .specs import GPUSpec, ModelSpec, get_gpu, get_model, presets
 
 MFU = 0.40
 SMALL_BATCH_PENALTY = 0.10
 LOSS_CHUNKS = 8  # torchtune's default
 STREAMED_BLOCKS = 2
 LORA_WIDTHS_PER_BLOCK = 16  # r x (d + 3d) + r x 2d + r x 5d + r x 5d: GPT-2's c_attn, attn c_proj, c_fc, mlp c_proj
-# The CPU optimizer step, ns per parameter: notebook 08 records the learner's own (section 6) under these names;
-# until then, the reference figures, measured at 2 threads on 2 cores of the course's CI machine.
-CPU_STEP_REFERENCE = {"adamw_fused": 0.45, "torchao_adamw8bit": 18.3, "bnb_adam8bit": 16.1, "adamw_foreach": 2.35}
-CPU_STEP_RECORDED = {"adamw_fused": "cpu_adamw_fused_ns_per_param", "torchao_adamw8bit": "cpu_torchao8bit_ns_per_param",
-                     "bnb_adam8bit": "cpu_bnb8bit_ns_per_param", "adamw_foreach": "cpu_adamw_ns_per_param"}
+# The CPU optimizer's step, ns per parameter, until notebook 08 records the learner's own (presets.json's cpu_step)
+CPU_STEP_REFERENCE = {name: d["reference_ns"] for name, d in presets()["cpu_step"].items()}
 CPU_STEP_NOTEBOOK = "08_current_toolbox"
 _STATE_BYTES = {"sgd": 0, "sgd_momentum": 4, "adam": 8, "adamw": 8, "adam8bit": 2}  # per parameter, about
 
@@ -93,7 +63,6 @@ CATEGORIES = MEMORY_CATEGORIES + ("overhead",)  # what measure_memory reports, p
 CHECKPOINTING = ("none", "block", "sqrt")
 PRECISIONS = ("fp32", "fp16_amp", "bf16_amp", "fp16", "bf16")
 ATTENTIONS = ("fused", "math")
-DEVICES = ("cuda", "cpu")
 
 
 @dataclass(frozen=True)
@@ -130,7 +99,8 @@ class Settings:
         if self.accumulation > 1 and (base is None or self.micro_batch < base.micro_batch):
             out.append("gradient accumulation")
         if self.checkpointing != "none":
-            out.append("gradient checkpointing" + (" (sqrt(n) segments)" if self.checkpointing == "sqrt" else " (per block)"))
+            segments = " (sqrt(n) segments)" if self.checkpointing == "sqrt" else " (per block)"
+            out.append("gradient checkpointing" + segments)
         if self.precision.endswith("_amp"):
             out.append(f"mixed precision ({self.precision.split('_')[0]} AMP)")
         elif self.precision in ("fp16", "bf16"):
@@ -152,14 +122,14 @@ class Settings:
 
 
 def cpu_step_ns(cpu_optimizer: str) -> tuple[float, str]:
-    """(ns per parameter, its source) of a CPU optimizer's step: the learner's own measurement when
-    notebook 08 recorded it (results under the course home), else the reference figure."""
+    """(ns per parameter, its source) of a CPU optimizer's step: the learner's own measurement when notebook 08
+    recorded it (results under the course home), else the reference figure."""
     if cpu_optimizer not in CPU_STEP_REFERENCE:
         raise ValueError(f"Unknown CPU optimizer {cpu_optimizer!r}; choose one of {list(CPU_STEP_REFERENCE)}.")
     from ..results import load_notebook
 
     try:
-        entry = load_notebook(CPU_STEP_NOTEBOOK).get(CPU_STEP_RECORDED[cpu_optimizer]) or {}
+        entry = load_notebook(CPU_STEP_NOTEBOOK).get(presets()["cpu_step"][cpu_optimizer]["recorded_as"]) or {}
     except (OSError, ValueError):
         entry = {}
     value = entry.get("value")
@@ -171,22 +141,6 @@ def cpu_step_ns(cpu_optimizer: str) -> tuple[float, str]:
 def lora_params(model: ModelSpec, rank: int) -> int:
     """Trainable parameters of rank-``rank`` adapters on every block of a GPT-2-shaped model."""
     return model.n_blocks * rank * LORA_WIDTHS_PER_BLOCK * model.hidden_size
-
-
-def technique_notebook(technique: str) -> str:
-    """The course notebook that teaches a technique named by :meth:`Settings.techniques`."""
-    t = technique.lower()
-    for key, nb in (("stream weights", "09_smaller_than_the_model.ipynb"), ("chunked", "08_current_toolbox.ipynb"),
-                    ("offload", "08_current_toolbox.ipynb"), ("fused", "08_current_toolbox.ipynb"),
-                    ("lora", "08_current_toolbox.ipynb"),
-                    ("accumulation", "02_gradient_accumulation.ipynb"),
-                    ("checkpointing", "03_gradient_checkpointing.ipynb"),
-                    ("mixed precision", "04_mixed_precision.ipynb"), ("8-bit", "05_8bit_adam.ipynb"),
-                    ("stream", "06_capstone_gpt2_xl.ipynb"), ("pure", "06_capstone_gpt2_xl.ipynb"),
-                    ("optimizer on cpu", "06_capstone_gpt2_xl.ipynb")):
-        if key in t:
-            return nb
-    raise ValueError(f"No notebook for technique {technique!r}.")
 
 
 @dataclass
@@ -220,13 +174,10 @@ class Plan:
     def techniques(self) -> list[str]:
         return self.settings.techniques()
 
-    def as_gib(self) -> dict:
-        return {k: v / GIB for k, v in self.by_category.items()}
-
     def verdict(self) -> str:
         """One line: the total the card needs against its memory, and whether it fits."""
-        return (f"{self.model.name} on {self.gpu.name}: {self.peak_bytes / GIB:.2f} GiB of {self.gpu.memory_gib:.1f} GiB "
-                f"-> {'fits' if self.fits else 'does NOT fit'}")
+        return (f"{self.model.name} on {self.gpu.name}: {self.peak_bytes / GIB:.2f} GiB of "
+                f"{self.gpu.memory_gib:.1f} GiB -> {'fits' if self.fits else 'does NOT fit'}")
 
     def summary(self) -> str:
         s = self.settings
@@ -240,39 +191,27 @@ class Plan:
     __str__ = summary
 
 
-def _choice(value, what: str, options, aliases: dict) -> str:
+def _choice(value, what: str, options) -> str:
     if not isinstance(value, str):
         raise TypeError(f"{what} must be one of {options}, not {type(value).__name__}.")
     key = value.lower().replace(" ", "_").replace("-", "_")
-    key = aliases.get(key, key)
+    key = presets()["aliases"][what].get(key, key)
     if key not in options:
         raise ValueError(f"Unknown {what} {value!r}; choose one of {options}.")
     return key
-
-
-_PRECISION_ALIASES = {"fp16amp": "fp16_amp", "amp": "fp16_amp", "fp16_autocast": "fp16_amp", "bf16amp": "bf16_amp",
-                      "pure_fp16": "fp16", "pure_bf16": "bf16", "half": "fp16", "float32": "fp32", "float16": "fp16",
-                      "bfloat16": "bf16", "pure_half": "fp16"}
-_CKPT_ALIASES = {"per_block": "block", "perblock": "block", "sqrt(n)": "sqrt", "sqrtn": "sqrt", "off": "none",
-                 "no": "none"}
-_ATTENTION_ALIASES = {"sdpa": "fused", "flash": "fused", "memory_efficient": "fused", "eager": "math"}
 
 
 def make_settings(model: ModelSpec, *, micro_batch, size=None, accumulation=1, checkpointing="none",
                   precision="fp32", optimizer="adam", master_on_cpu=False, stream_grads=False, attention=None,
                   keep_outputs=True, device="cuda", offload_activations=False, chunked_loss=False,
                   fused_update=False, lora_rank=None, stream_weights=False, cpu_optimizer=None) -> Settings:
-    """Check and normalize the knobs; raises ValueError/TypeError saying what to change.
-
-    ``attention=None``: 'fused' on CUDA, 'math' on a CPU (which trains attention with dropout on
-    the math path: 'fused' is refused there).
-    """
+    """Check and normalize the knobs; raises ValueError/TypeError saying what to change. ``attention=None``: 'fused'
+    on CUDA, 'math' on a CPU (which trains attention with dropout on the math path: 'fused' is refused there)."""
     micro_batch = positive_int(micro_batch, "micro_batch", "e.g. 8", whole_floats=True)
     accumulation = positive_int(accumulation, "accumulation", "1 means no accumulation", whole_floats=True)
-    if size is None:
-        size = model.default_size
-    what = "sequence length" if model.unit == "token" else "image size"
-    size = positive_int(size, what, "e.g. 1024 tokens or 224 pixels", whole_floats=True)
+    size = positive_int(model.default_size if size is None else size,
+                        "sequence length" if model.unit == "token" else "image size", "e.g. 1024 tokens or 224 pixels",
+                        whole_floats=True)
     if model.max_size is not None and size > model.max_size:
         raise ValueError(f"{model.name} reads at most {model.max_size} tokens; set the sequence length to "
                          f"{model.max_size} or less (got {size}).")
@@ -316,16 +255,17 @@ def make_settings(model: ModelSpec, *, micro_batch, size=None, accumulation=1, c
         if ("8bit" in cpu_optimizer) != (optimizer == "adam8bit"):
             raise ValueError(f"cpu_optimizer={cpu_optimizer!r} keeps {'8-bit' if '8bit' in cpu_optimizer else 'fp32'} "
                              f"state but optimizer={optimizer!r}: choose a CPU optimizer with the same state.")
-    if device not in DEVICES:
+    if device not in ("cuda", "cpu"):
         raise ValueError(f"device must be 'cuda' or 'cpu', not {device!r}.")
-    attention = ("fused" if device == "cuda" else "math") if attention is None else _choice(
-        attention, "attention", ATTENTIONS, _ATTENTION_ALIASES)
+    if attention is None:
+        attention = "fused" if device == "cuda" else "math"
+    attention = _choice(attention, "attention", ATTENTIONS)
     if device == "cpu" and attention == "fused":
         raise ValueError("A CPU trains attention with dropout on the math path: use attention='math' with "
                          "device='cpu' (fused kernels are priced for CUDA).")
     return Settings(micro_batch=micro_batch, size=size, accumulation=accumulation,
-                    checkpointing=_choice(checkpointing, "checkpointing", CHECKPOINTING, _CKPT_ALIASES),
-                    precision=_choice(precision, "precision", PRECISIONS, _PRECISION_ALIASES),
+                    checkpointing=_choice(checkpointing, "checkpointing", CHECKPOINTING),
+                    precision=_choice(precision, "precision", PRECISIONS),
                     optimizer=optimizer, attention=attention, device=device, lora_rank=lora_rank,
                     cpu_optimizer=cpu_optimizer, **flags)
 
@@ -344,15 +284,13 @@ def _at(c, u):
 
 
 def predict(model, gpu="RTX 3060 (12 GB)", **settings) -> Plan:
-    """Predict one training step's peak GPU memory by category; see the module docstring.
+    """Predict one training step's peak GPU memory by category, and its time (see the module docstring).
 
-    ``settings``: the knobs of :func:`make_settings` (``micro_batch`` is required), e.g.
-    ``attention``: 'fused' (PyTorch's SDPA kernels; the default on CUDA) or 'math';
-    ``keep_outputs=False``: the loop drops the outputs before backward (``loss = model(...).loss``),
-    so the logits are freed; ``device='cpu'`` predicts for a CPU run instead (no overhead, the
-    CPU's kernels, per-tensor Adam scratch): the validation against ``measure_memory`` uses it;
-    the toggles of notebooks 08-09: ``offload_activations``, ``chunked_loss``, ``fused_update``,
-    ``lora_rank``, ``stream_weights`` (and ``cpu_optimizer`` with ``master_on_cpu``).
+    ``settings``: the knobs of :func:`make_settings` (``micro_batch`` is required), e.g. ``attention``: 'fused' or
+    'math'; ``keep_outputs=False``: the loop drops the outputs before backward (``loss = model(...).loss``), freeing the
+    logits; ``device='cpu'``: a CPU run (no overhead, the CPU's kernels, per-tensor Adam scratch), as the validation
+    against ``measure_memory`` predicts; notebooks 08-09's toggles: ``offload_activations``, ``chunked_loss``,
+    ``fused_update``, ``lora_rank``, ``stream_weights`` (and ``cpu_optimizer`` with ``master_on_cpu``).
     """
     model = get_model(model)
     return predict_settings(model, get_gpu(gpu), make_settings(model, **settings))
@@ -365,7 +303,6 @@ def _activations(model: ModelSpec, s: Settings) -> dict:
     B, u, nb = s.micro_batch, _units(model, s.size), model.n_blocks
     extra = B * u * 4 * 4 * s.lora_rank if s.lora_rank else 0  # each adapter saves x A^T (r fp32 values per token)
     a = dict(block=[B * _at(c.block[i], u) + extra for i in range(nb)],
-             bnd=[B * c.boundary[i] * u for i in range(nb)],
              largest=[B * max(c.largest[i][0] * u, c.largest[i][1] * u * u) for i in range(nb)],
              stem=B * _at(c.stem, u))
     vocab = model.output_per_unit
@@ -380,11 +317,11 @@ def _activations(model: ModelSpec, s: Settings) -> dict:
         a["segments"] = [[i] for i in range(nb)]
         a["kept"] = list(a["block"])
     else:
-        size_seg = 1 if s.checkpointing == "block" else max(1, math.ceil(nb / max(1, math.ceil(math.sqrt(nb)))))
+        size_seg = 1 if s.checkpointing == "block" else math.ceil(nb / math.ceil(math.sqrt(nb)))
         a["segments"] = [list(range(i, min(nb, i + size_seg))) for i in range(0, nb, size_seg)]
         a["kept"] = [0.0] * nb
         for seg in a["segments"]:
-            a["kept"][seg[0]] = a["bnd"][seg[0]]
+            a["kept"][seg[0]] = B * c.boundary[seg[0]] * u  # the segment's input
     a["saved"] = a["stem"] + a["head"] + sum(a["kept"])  # what offloading sends to the host and back
     return a
 
@@ -406,14 +343,10 @@ def predict_settings(model: ModelSpec, gpu: GPUSpec, s: Settings) -> Plan:
     params = resident * w + (4 * n_train if lora else 0)
     if s.master_on_cpu:
         optimizer = 0
-    elif lora:
-        optimizer = optimizer_state_bytes(n_train, s.optimizer, param_dtype="fp32", tensor_sizes=[adapter] * 8 * nb)
-    else:
-        state_dtype = "fp32" if (half or w == 4) else "fp16"
-        sizes = [model.largest_tensor] + [max(1, (n - model.largest_tensor) // max(nb, 1))] * max(nb, 1)
-        optimizer = optimizer_state_bytes(n, s.optimizer, param_dtype=state_dtype, tensor_sizes=sizes)
-        if half:
-            optimizer += 4 * n  # fp32 master weights on the GPU
+    else:  # the optimizer's state, kept for fp32 values (pure half trains an fp32 master copy), per tensor
+        sizes = [adapter] * 8 * nb if lora else [model.largest_tensor] + [max(1, (n - model.largest_tensor) // nb)] * nb
+        optimizer = optimizer_state_bytes(n_train, s.optimizer, param_dtype="fp32", tensor_sizes=sizes)
+        optimizer += 4 * n if half and not lora else 0  # fp32 master weights on the GPU
     weight_copies = 2 * n if amp else 0  # autocast's fp16/bf16 copies of the weights (kept for backward)
 
     a = _activations(model, s)
@@ -425,7 +358,7 @@ def predict_settings(model: ModelSpec, gpu: GPUSpec, s: Settings) -> Plan:
     g_one = [gw * adapter if lora else model.largest_in_block(i) * w for i in range(nb)]
     tied = model.largest_tensor * w if model.output_per_unit and not lora else 0
     adam = not s.master_on_cpu and s.optimizer in ("adam", "adamw")
-    per_tensor_scratch = (1 if s.device == "cuda" else 2) * (4 if half or lora else w) if adam else 0
+    per_tensor_scratch = (4 if s.device == "cuda" else 8) if adam else 0  # fp32 values per element: CUDA 1, CPU 2
     off = s.offload_activations
     stem = 0 if off else a["stem"]
     kept = [0.0] * nb if off else a["kept"]
@@ -459,14 +392,9 @@ def predict_settings(model: ModelSpec, gpu: GPUSpec, s: Settings) -> Plan:
         biggest = max(tied // w if tied else 0, max(g_one) // gw)
         phases["stepping the largest tensor"] = dict(grads=biggest * gw, activations=stem,
                                                      other=per_tensor_scratch * biggest)
-    elif not s.stream_grads:
-        if not adam:
-            scratch = 0
-        elif s.device == "cuda":
-            scratch = n_train * (4 if half or lora else w)
-        else:
-            scratch = 2 * (adapter if lora else model.largest_tensor) * (4 if half or lora else w)
-        phases["in optimizer.step()"] = dict(grads=g_all, activations=0, other=scratch)
+    elif not s.stream_grads:  # Adam's fp32 scratch: foreach on CUDA a copy of the model, on a CPU 2 x a tensor's
+        scratch = 4 * n_train if s.device == "cuda" else 8 * (adapter if lora else model.largest_tensor)
+        phases["in optimizer.step()"] = dict(grads=g_all, activations=0, other=scratch if adam else 0)
     phase = max(phases, key=lambda k: sum(phases[k].values()))
     dyn = phases[phase]
     by_cat = {"params": params, "grads": dyn["grads"], "optimizer": optimizer,

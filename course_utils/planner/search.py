@@ -1,12 +1,10 @@
 """The search: the cheapest set of the course's techniques that fits a GPU.
 
-Every combination of smaller micro-batches (more accumulation steps), checkpointing, lower
-precision, 8-bit Adam, the optimizer and fp32 master weights on the CPU, streamed gradients and
-notebooks 08-09's toggles (offloaded activations, chunked loss, the update fused into backward,
-weights streamed from the CPU) is predicted (:func:`.model.predict_settings`); of those that fit,
-the one with the lowest predicted time per optimizer step wins (ties: fewer techniques). The device,
-the attention, the loop (``keep_outputs``) and the goal (``lora_rank``: adapters or every weight)
-stay as given.
+Every combination of smaller micro-batches (more accumulation steps), checkpointing, lower precision, 8-bit Adam, the
+optimizer and fp32 master weights on the CPU, streamed gradients and notebooks 08-09's toggles (offloaded activations,
+chunked loss, the update fused into backward, weights streamed from the CPU) is predicted; of those that fit, the one
+with the lowest predicted time per optimizer step wins (ties: fewer techniques). The device, the attention, the loop
+(``keep_outputs``) and the goal (``lora_rank``: adapters or every weight) stay as given.
 """
 from __future__ import annotations
 
@@ -15,8 +13,8 @@ from dataclasses import dataclass, replace
 
 from ..units import GIB
 from ..validation import positive_number
-from .model import CHECKPOINTING, Plan, Settings, make_settings, predict_settings, technique_notebook
-from .specs import GPUSpec, get_gpu, get_model
+from .model import CHECKPOINTING, Plan, Settings, make_settings, predict_settings
+from .specs import GPUSpec, get_gpu, get_model, presets
 
 
 @dataclass
@@ -28,7 +26,6 @@ class Recommendation:
     techniques: list
     notebooks: dict
     slowdown: float  # predicted step time / the baseline's
-    candidates: int
 
     def summary(self) -> str:
         if not self.techniques:
@@ -36,9 +33,7 @@ class Recommendation:
         else:
             head = (f"Cheapest set that fits (by the planner's time model, {self.slowdown:.2f}x the baseline's "
                     f"predicted step time):")
-        lines = [head]
-        for t in self.techniques:
-            lines.append(f"  - {t}  ->  notebooks/{self.notebooks[t]}")
+        lines = [head] + [f"  - {t}  ->  notebooks/{self.notebooks[t]}" for t in self.techniques]
         lines.append(f"  predicted peak {self.plan.peak_bytes / GIB:.2f} GiB of {self.plan.gpu.memory_gib:.1f} GiB "
                      f"(baseline {self.baseline.peak_bytes / GIB:.2f} GiB)")
         return "\n".join(lines)
@@ -46,9 +41,9 @@ class Recommendation:
     __str__ = summary
 
 
-def candidate_settings(base: Settings, gpu: GPUSpec, model=None):
-    """Every combination the search tries, from the user's ``base`` settings (``model``: a ModelSpec, for the
-    toggles that depend on it: the chunked loss needs a vocabulary head)."""
+def candidate_settings(base: Settings, gpu: GPUSpec, model):
+    """Every combination the search tries from the user's ``base`` settings (for ``model``, a ModelSpec: the chunked
+    loss needs a vocabulary head)."""
     splits = [f for f in (1, 2, 4, 8, 16, 32, 64, 128) if f <= base.micro_batch and base.micro_batch % f == 0]
     precisions = [base.precision]
     for p in (("bf16_amp", "bf16") if gpu.bf16 else ("fp16_amp", "fp16")):
@@ -60,7 +55,7 @@ def candidate_settings(base: Settings, gpu: GPUSpec, model=None):
     offloads = [(base.master_on_cpu, base.stream_grads)] + [
         o for o in ((True, False), (True, True)) if o != (base.master_on_cpu, base.stream_grads) and
         (not base.master_on_cpu or o[0]) and (not base.stream_grads or o[1]) and base.lora_rank is None]
-    chunked = {base.chunked_loss, bool(model is not None and model.output_per_unit)}
+    chunked = {base.chunked_loss, bool(model.output_per_unit)}
     for f, p, o, c, (m, st), off, ch, fu, sw in itertools.product(
             splits, precisions, optimizers, ckpts, offloads, {base.offload_activations, True}, chunked,
             {base.fused_update, True}, {base.stream_weights, True}):
@@ -73,15 +68,11 @@ def candidate_settings(base: Settings, gpu: GPUSpec, model=None):
 
 
 def cheapest_fit(model, gpu="RTX 3060 (12 GB)", *, host_gib=None, **settings) -> Recommendation:
-    """The set of the course's techniques that fits ``gpu`` at the lowest predicted step time.
-
-    The effective batch (micro_batch x accumulation) is kept; the search may split the
-    micro-batch (more accumulation steps), checkpoint, lower the precision, switch Adam to 8-bit
-    Adam, move the optimizer and fp32 master weights to the CPU and stream gradients there, and
-    turn on notebooks 08-09's toggles. ``settings``: the knobs of :func:`.model.make_settings`;
-    ``host_gib``: the host RAM a plan may use (its ``host_bytes``; default: no limit).
-    "Fits" means tensors + allocator reserve + CUDA context fit the card. Ties go to fewer
-    techniques. Raises ValueError when nothing fits, saying what to change.
+    """The set of the course's techniques that fits ``gpu`` at the lowest predicted step time (see the module
+    docstring), keeping the effective batch (micro_batch x accumulation). ``settings``: the knobs of
+    :func:`.model.make_settings`; ``host_gib``: the host RAM a plan may use (its ``host_bytes``; default: no limit).
+    "Fits" means tensors + allocator reserve + CUDA context fit the card. Raises ValueError when nothing fits, saying
+    what to change.
     """
     model = get_model(model)
     gpu = get_gpu(gpu)
@@ -90,11 +81,9 @@ def cheapest_fit(model, gpu="RTX 3060 (12 GB)", *, host_gib=None, **settings) ->
         positive_number(host_gib, "host_gib", "the machine's RAM in GiB, e.g. 32, or None for no limit")
     baseline = predict_settings(model, gpu, base)
     if baseline.fits:  # nothing to turn on; faster options are the learner's choice
-        return Recommendation(plan=baseline, baseline=baseline, techniques=[], notebooks={}, slowdown=1.0,
-                              candidates=1)
-    best, count, smallest = None, 0, None
+        return Recommendation(plan=baseline, baseline=baseline, techniques=[], notebooks={}, slowdown=1.0)
+    best, smallest = None, None
     for s in candidate_settings(base, gpu, model):
-        count += 1
         p = predict_settings(model, gpu, s)
         if smallest is None or p.peak_bytes < smallest.peak_bytes:
             smallest = p
@@ -112,6 +101,7 @@ def cheapest_fit(model, gpu="RTX 3060 (12 GB)", *, host_gib=None, **settings) ->
             + (f"; or allow more host RAM than {host_gib:g} GiB." if host_gib is not None else "."))
     plan = best[1]
     techniques = plan.settings.techniques(base)
-    return Recommendation(plan=plan, baseline=baseline, techniques=techniques,
-                          notebooks={t: technique_notebook(t) for t in techniques},
-                          slowdown=plan.step_seconds / baseline.step_seconds, candidates=count)
+    notebooks = {t: next(nb for words, nb in presets()["technique_notebooks"] if words in t.lower())
+                 for t in techniques}  # each technique's notebook: the first whose words its name contains
+    return Recommendation(plan=plan, baseline=baseline, techniques=techniques, notebooks=notebooks,
+                          slowdown=plan.step_seconds / baseline.step_seconds)

@@ -1,9 +1,8 @@
 """What the planner knows about GPUs and models: the presets in ``presets.json``, and your own.
 
-``presets.json`` (package data) holds every figure: each GPU's memory, speeds and PCIe link, and
-each model's parameter counts and activation coefficients, measured by :mod:`.measure`
-(``tests/test_planner.py`` re-measures a sample of them). The link speeds themselves come from
-``course_utils.hardware.PCIE_GB_PER_S``, the course's one PCIe table.
+``presets.json`` (package data) holds every figure: each GPU's memory, speeds and PCIe link (its speed comes from
+``course_utils.hardware.PCIE_GB_PER_S``, the course's one PCIe table), and each model's parameter counts and activation
+coefficients, measured as :mod:`.measure` describes (``tests/test_planner.py`` re-measures a sample of them).
 """
 from __future__ import annotations
 
@@ -17,24 +16,21 @@ from ..hardware import PCIE_EFFICIENCY, PCIE_GB_PER_S
 from ..units import GIB, MIB
 from ..validation import positive_int, positive_number
 
-DEFAULT_LINK = "PCIe 4.0 x16"
+GPU_SPEEDS = ("fp32_tflops", "half_tflops", "bf16", "mem_bandwidth_gbs", "pcie")
 
 
 @lru_cache(maxsize=1)
 def presets() -> dict:
-    """The parsed ``presets.json``: {'gpus': {...}, 'models': {...}}."""
+    """The parsed ``presets.json``: {'gpus': {...}, 'models': {...}, ...}."""
     return json.loads(resources.files(__package__).joinpath("presets.json").read_text(encoding="utf-8"))
 
 
-# --------------------------------------------------------------------------------------------
-# GPUs
-# --------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class GPUSpec:
-    """A GPU: memory as nvidia-smi reports it, and the speeds the time model uses.
+    """A GPU: memory as nvidia-smi reports it, and the speeds the time model uses (defaults: an RTX 3060's).
 
-    ``pcie`` names the host link (a key of ``hardware.PCIE_GB_PER_S``); copies between pinned host
-    memory and the GPU run at ``hardware.PCIE_EFFICIENCY`` of the link's rate (:attr:`pcie_gbs`).
+    ``pcie`` names the host link (a key of ``hardware.PCIE_GB_PER_S``); copies between pinned host memory and the GPU
+    run at ``hardware.PCIE_EFFICIENCY`` of the link's rate (:attr:`pcie_gbs`).
     """
 
     name: str
@@ -43,7 +39,7 @@ class GPUSpec:
     half_tflops: float = 25.0  # fp16/bf16 on tensor cores, fp32 accumulate
     bf16: bool = True  # native bf16 (compute capability >= 8.0)
     mem_bandwidth_gbs: float = 360.0
-    pcie: str = DEFAULT_LINK
+    pcie: str = "PCIe 4.0 x16"
 
     @property
     def memory_gib(self) -> float:
@@ -55,35 +51,22 @@ class GPUSpec:
         return PCIE_GB_PER_S[self.pcie] * PCIE_EFFICIENCY
 
 
-def _gpu_from_data(name: str, d: dict) -> GPUSpec:
-    return GPUSpec(name, d["memory_mib"] * MIB, d["fp32_tflops"], d["half_tflops"], d["bf16"],
-                   d["mem_bandwidth_gbs"], d["pcie"])
-
-
 @lru_cache(maxsize=1)
 def gpu_presets() -> dict:
     """{name: GPUSpec} of the preset GPUs."""
-    return {name: _gpu_from_data(name, d) for name, d in presets()["gpus"].items()}
-
-
-def _gpu_aliases() -> dict:
-    return {alias: name for name, d in presets()["gpus"].items() for alias in d.get("aliases", ())}
+    return {name: GPUSpec(name, d["memory_mib"] * MIB, **{k: d[k] for k in GPU_SPEEDS})
+            for name, d in presets()["gpus"].items()}
 
 
 def custom_gpu(memory_gib: float, *, name: str = "custom GPU", **speeds) -> GPUSpec:
-    """A GPU you describe: its memory in GiB (speeds default to an RTX 3060's).
-
-    ``speeds``: fp32_tflops, half_tflops, bf16, mem_bandwidth_gbs, pcie (a link name such as
-    'PCIe 3.0 x16').
-    """
+    """A GPU you describe: its memory in GiB; ``speeds`` (default: an RTX 3060's): fp32_tflops, half_tflops, bf16,
+    mem_bandwidth_gbs, pcie (a link name such as 'PCIe 3.0 x16')."""
     positive_number(memory_gib, "memory_gib", "e.g. custom_gpu(6) for a 6 GiB card")
     for key, value in speeds.items():
-        if key not in ("fp32_tflops", "half_tflops", "bf16", "mem_bandwidth_gbs", "pcie"):
-            raise ValueError(f"Unknown GPU field {key!r}; use fp32_tflops, half_tflops, bf16, mem_bandwidth_gbs, pcie.")
+        if key not in GPU_SPEEDS:
+            raise ValueError(f"Unknown GPU field {key!r}; use {', '.join(GPU_SPEEDS)}.")
         if key == "pcie" and value not in PCIE_GB_PER_S:
             raise ValueError(f"Unknown PCIe link {value!r}; choose one of {list(PCIE_GB_PER_S)}.")
-        if key == "bf16" and not isinstance(value, bool):
-            raise TypeError(f"bf16 must be True or False, not {value!r}.")
         if key not in ("bf16", "pcie"):
             positive_number(value, key, "speeds are positive numbers")
     return GPUSpec(name, int(memory_gib * GIB), **speeds)
@@ -95,50 +78,41 @@ def get_gpu(gpu) -> GPUSpec:
         return gpu
     if isinstance(gpu, (int, float)) and not isinstance(gpu, bool):
         return custom_gpu(gpu, name=f"custom GPU ({gpu:g} GiB)")
-    if isinstance(gpu, str):
-        table = gpu_presets()
-        if gpu in table:
-            return table[gpu]
-        key = "".join(ch for ch in gpu.lower() if ch.isalnum())
-        aliases = _gpu_aliases()
-        if key in aliases:
-            return table[aliases[key]]
-        raise ValueError(f"Unknown GPU {gpu!r}; choose one of {list(table)}, or pass its memory in GiB (e.g. 6).")
-    raise TypeError(f"gpu must be a preset name, a memory size in GiB or a GPUSpec, not {type(gpu).__name__}.")
+    if not isinstance(gpu, str):
+        raise TypeError(f"gpu must be a preset name, a memory size in GiB or a GPUSpec, not {type(gpu).__name__}.")
+    key = "".join(ch for ch in gpu.lower() if ch.isalnum())
+    for name, d in presets()["gpus"].items():
+        if gpu == name or key in d["aliases"]:
+            return gpu_presets()[name]
+    raise ValueError(f"Unknown GPU {gpu!r}; choose one of {list(gpu_presets())}, or pass its memory in GiB (e.g. 6).")
 
 
-# --------------------------------------------------------------------------------------------
-# Models
-# --------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ActCoeffs:
-    """Activation bytes per sample at one precision, as ``lin * u + quad * u**2``.
+    """Activation bytes per sample at one precision, each as ``(lin, quad)``: ``lin * u + quad * u**2``, where ``u``
+    is the sequence length (transformers), (image size / reference size)**2 (CNNs) or 1.
 
-    ``u`` is the sequence length (transformers), (image size / reference size)**2 (CNNs) or 1.
-    Per block: ``block`` (saved by the block), ``boundary`` (the block's input: what a
-    checkpoint keeps), ``largest`` (its largest saved tensor). ``stem``: saved before the first
-    block (embeddings, a CNN's first convolution); ``head``: saved after (classifier, loss).
-    ``output``: what forward returns that autograd does not keep (the logits): alive through
-    backward only while the training loop holds the outputs.
+    Per block: ``block`` (saved by the block), ``boundary`` (its input, ``lin`` only: what a checkpoint keeps),
+    ``largest`` (its largest saved tensor). ``stem``: saved before the first block (embeddings, a CNN's first
+    convolution); ``head``: saved after (classifier, loss); ``output``: what forward returns that autograd does not
+    keep (the logits), alive through backward only while the training loop holds the outputs.
     """
 
-    block: tuple  # tuple of (lin, quad) per block
-    boundary: tuple  # tuple of lin per block
-    largest: tuple  # tuple of (lin, quad) per block
-    head: tuple  # (lin, quad)
-    stem: tuple = (0.0, 0.0)  # (lin, quad)
-    output: tuple = (0.0, 0.0)  # (lin, quad)
+    block: tuple
+    boundary: tuple
+    largest: tuple
+    head: tuple
+    stem: tuple = (0.0, 0.0)
+    output: tuple = (0.0, 0.0)
 
 
 @dataclass(frozen=True)
 class ModelSpec:
     """What the planner needs to know about a model.
 
-    ``acts[pricing][kind]``: the activation coefficients. ``pricing`` says whose kernels they
-    describe: 'cpu' (the CPU's: math attention, dropout masks in the activations' dtype),
-    'cuda-math' / 'cuda-fused' (CUDA's, with math or fused attention: transformers), 'cuda'
-    (CUDA's, models without attention) or 'any' (a model you describe). ``kind``: 'fp32' (fp32
-    weights), 'amp' (fp32 weights under autocast), 'half' (fp16/bf16 weights).
+    ``acts[pricing][kind]``: the activation coefficients. ``pricing`` says whose kernels they describe: 'cpu',
+    'cuda-math' / 'cuda-fused' (transformers), 'cuda' (models without attention) or 'any' (a model you describe).
+    ``kind``: 'fp32' (fp32 weights), 'amp' (fp32 weights under autocast), 'half' (fp16/bf16 weights).
     """
 
     name: str
@@ -187,17 +161,13 @@ class ModelSpec:
                          "attention: measure it for that device, or choose another.")
 
 
-def _uniform(n, value):
-    return tuple(value for _ in range(n))
-
-
 def custom_model(n_params: int, activation_bytes_per_sample: float, *, n_blocks: int = 12,
                  name: str = "custom model") -> ModelSpec:
     """A model you describe by its parameter count and its fp32 activation bytes per sample.
 
-    The activations are spread evenly over ``n_blocks`` blocks (inputs = 1/8 of a block's
-    activations, largest saved tensor = 1/4: typical of a transformer layer); under mixed
-    precision or pure half they are assumed to halve (measured: 0.55-0.6 for GPT-2).
+    The activations are spread evenly over ``n_blocks`` blocks (inputs = 1/8 of a block's activations, largest saved
+    tensor = 1/4: typical of a transformer layer); under mixed precision or pure half they are assumed to halve
+    (measured: 0.55-0.6 for GPT-2).
     """
     n_params = positive_int(n_params, "n_params", "e.g. 350_000_000", whole_floats=True)
     positive_number(activation_bytes_per_sample, "activation_bytes_per_sample",
@@ -207,11 +177,11 @@ def custom_model(n_params: int, activation_bytes_per_sample: float, *, n_blocks:
 
     def coeffs(scale):
         a = per_block * scale
-        return ActCoeffs(block=_uniform(n_blocks, (a, 0.0)), boundary=_uniform(n_blocks, a / 8),
-                         largest=_uniform(n_blocks, (a / 4, 0.0)), head=(0.0, 0.0))
+        return ActCoeffs(block=((a, 0.0),) * n_blocks, boundary=(a / 8,) * n_blocks,
+                         largest=((a / 4, 0.0),) * n_blocks, head=(0.0, 0.0))
 
-    return ModelSpec(name=name, family="custom", n_params=n_params,
-                     block_params=_uniform(n_blocks, n_params // n_blocks), largest_tensor=max(n_params // n_blocks, 1),
+    return ModelSpec(name=name, family="custom", n_params=n_params, block_params=(n_params // n_blocks,) * n_blocks,
+                     largest_tensor=max(n_params // n_blocks, 1),
                      acts={"any": {"fp32": coeffs(1.0), "amp": coeffs(0.5), "half": coeffs(0.5)}},
                      output_per_unit=0.0, fwd_flops_per_unit=2.0 * n_params, unit="sample")
 
@@ -238,30 +208,22 @@ def _preset_spec(name: str) -> ModelSpec:
     return spec_from_data(name, presets()["models"][name])
 
 
-def _pair(x) -> tuple:
-    return tuple(float(v) for v in x)
-
-
 def spec_from_data(name: str, d: dict) -> ModelSpec:
-    """A ModelSpec from a preset's data (``presets.json`` or :func:`.measure.measure_spec_data`)."""
-    n = d["n_blocks"]
-    uniform = d.get("uniform", True)  # transformers: one set of coefficients for every (identical) block
-    acts = {}
-    for pricing, by_kind in d["acts"].items():
-        acts[pricing] = {}
-        for kind, c in by_kind.items():
-            if uniform:
-                block, boundary, largest = (_uniform(n, _pair(c["block"])), _uniform(n, float(c["boundary"])),
-                                            _uniform(n, _pair(c["largest"])))
-            else:
-                block, boundary, largest = (tuple(_pair(x) for x in c["block"]), tuple(map(float, c["boundary"])),
-                                            tuple(_pair(x) for x in c["largest"]))
-            acts[pricing][kind] = ActCoeffs(block=block, boundary=boundary, largest=largest, head=_pair(c["head"]),
-                                            stem=_pair(c.get("stem", (0, 0))), output=_pair(c.get("output", (0, 0))))
-    bp, bl = d["block_params"], d.get("block_largest", ())
-    block_params = _uniform(n, bp) if isinstance(bp, int) else tuple(bp)
-    block_largest = _uniform(n, bl) if isinstance(bl, int) else tuple(bl)
-    return ModelSpec(name=name, family=d["family"], n_params=d["n_params"], block_params=block_params,
-                     largest_tensor=d["largest_tensor"], acts=acts, output_per_unit=d["output_per_unit"],
-                     fwd_flops_per_unit=d["fwd_flops_per_unit"], unit=d["unit"], ref_size=d.get("ref_size", 1),
-                     default_size=d.get("default_size", 1), max_size=d.get("max_size"), block_largest=block_largest)
+    """A ModelSpec from a preset's data (``presets.json``, or :func:`.measure.gpt2_data`)."""
+
+    def per_block(x, convert):  # a transformer's data holds one value for its (identical) blocks
+        return (convert(x),) * d["n_blocks"] if d["uniform"] else tuple(map(convert, x))
+
+    def pair(x):
+        return tuple(map(float, x))
+
+    acts = {pricing: {kind: ActCoeffs(block=per_block(c["block"], pair), boundary=per_block(c["boundary"], float),
+                                      largest=per_block(c["largest"], pair), head=pair(c["head"]),
+                                      stem=pair(c["stem"]), output=pair(c["output"]))
+                      for kind, c in by_kind.items()}
+            for pricing, by_kind in d["acts"].items()}
+    return ModelSpec(name=name, family=d["family"], n_params=d["n_params"],
+                     block_params=per_block(d["block_params"], int), largest_tensor=d["largest_tensor"], acts=acts,
+                     output_per_unit=d["output_per_unit"], fwd_flops_per_unit=d["fwd_flops_per_unit"], unit=d["unit"],
+                     ref_size=d.get("ref_size", 1), default_size=d["default_size"], max_size=d.get("max_size"),
+                     block_largest=per_block(d["block_largest"], int))
