@@ -80,8 +80,10 @@ class CachingAllocator:
     num_alloc_retries: int = 0
     num_ooms: int = 0
     _next_addr: int = 1 << 32
-    _allocated: int = 0  # running sums of the two counters below, kept as each block and segment changes
-    _reserved: int = 0
+    # running sums, kept as each block and segment changes: memory_allocated(): bytes of allocated blocks (rounded
+    # sizes and unsplit remainders included); memory_reserved(): bytes of all segments, allocated or cached
+    allocated: int = field(default=0, init=False)
+    reserved: int = field(default=0, init=False)
 
     def __post_init__(self):
         for name in ("capacity", "max_split_size"):
@@ -89,11 +91,6 @@ class CachingAllocator:
                 positive_int(getattr(self, name), name, "a number of bytes, or None")
         if not isinstance(self.expandable_segments, bool):
             raise TypeError(f"expandable_segments must be True or False, not {self.expandable_segments!r}.")
-
-    # memory_allocated(): bytes of allocated blocks (rounded sizes and unsplit remainders included);
-    # memory_reserved(): bytes of all segments, allocated or cached
-    allocated = property(lambda self: self._allocated)
-    reserved = property(lambda self: self._reserved)
 
     def memory_stats(self) -> dict:
         """A few of torch.cuda.memory_stats()'s counters, under the same names."""
@@ -125,7 +122,7 @@ class CachingAllocator:
             blocks.insert(blocks.index(block) + 1, Block(block.addr + size, block.size - size, block.segment))
             block.size = size
         block.allocated, block.requested = True, nbytes
-        self.live[key], self._allocated = block, self._allocated + block.size
+        self.live[key], self.allocated = block, self.allocated + block.size
         self.events.append(("alloc", block.addr, nbytes))
         self.peak_allocated = max(self.peak_allocated, self.allocated)
         return block
@@ -135,7 +132,7 @@ class CachingAllocator:
         if key not in self.live:
             raise KeyError(f"key {key!r} is not allocated (freed twice, or never allocated).")
         block = self.live.pop(key)
-        self._allocated -= block.size
+        self.allocated -= block.size
         self.events += [("free_requested", block.addr, block.requested), ("free_completed", block.addr, block.requested)]
         block.allocated, block.requested = False, 0
         self._merge(block)
@@ -176,7 +173,7 @@ class CachingAllocator:
         segment.blocks.append(Block(segment.addr, alloc, segment))
         self._next_addr += -(-alloc // K_SMALL_BUFFER) * K_SMALL_BUFFER
         self.segments.append(segment)
-        self._reserved += alloc
+        self.reserved += alloc
         self.events.append(("segment_alloc", segment.addr, alloc))
         self.peak_reserved = max(self.peak_reserved, self.reserved)
         return segment.blocks[0]
@@ -207,7 +204,7 @@ class CachingAllocator:
                 if n < b.size:
                     blocks.insert(blocks.index(b) + 1, Block(b.addr + n, b.size - n, segment, mapped=False))
                     b.size = n
-                b.mapped, self._reserved = True, self._reserved + n
+                b.mapped, self.reserved = True, self.reserved + n
                 self.events.append(("segment_map", b.addr, n))
         blocks[start:start + len(plan)] = [Block(plan[0][0].addr, covered, segment)]
         self.peak_reserved = max(self.peak_reserved, self.reserved)
@@ -231,7 +228,7 @@ class CachingAllocator:
             self.num_alloc_retries += small is not None
         for s in cached:
             self.segments.remove(s)
-            self._reserved -= s.size
+            self.reserved -= s.size
             self.events.append(("segment_free", s.addr, s.size))
         for s in [] if oversize_only else [s for s in self.segments if s.expandable]:
             for b in [b for b in s.blocks if b.mapped and not b.allocated]:
@@ -248,7 +245,7 @@ class CachingAllocator:
             parts = [Block(block.addr, lo - block.addr, block.segment), Block(lo, hi - lo, block.segment, mapped=False),
                      Block(hi, block.addr + block.size - hi, block.segment)]
             blocks[i:i + 1] = [p for p in parts if p.size]
-            self._reserved -= hi - lo
+            self.reserved -= hi - lo
             self.events.append(("segment_unmap", lo, hi - lo))
             self._merge(parts[1])
 

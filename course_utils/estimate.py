@@ -19,8 +19,7 @@ _DTYPE_ALIASES = {"fp32": torch.float32, "float32": torch.float32, "float": torc
 
 # state tensors per parameter, in units of the parameter's dtype (8-bit Adam handled apart)
 _STATE_COPIES = {"sgd": 0, "sgd_momentum": 1, "adam": 2, "adamw": 2}
-OPTIMIZERS = ("sgd", "sgd_momentum", "adam", "adamw", "adam8bit")
-BEFORE_ANY_MODULE = "(before any module)"
+OPTIMIZERS = (*_STATE_COPIES, "adam8bit")
 BNB_BLOCKSIZE = 256  # bitsandbytes' block size for 8-bit optimizer state since 0.44
 BNB_MIN_8BIT_SIZE = 4096  # smaller tensors keep 32-bit state
 
@@ -36,7 +35,7 @@ def dtype_of(dtype) -> torch.dtype:
 
 def bytes_per_element(dtype) -> int:
     """4 for fp32, 2 for fp16/bf16, 1 for int8."""
-    return torch.empty((), dtype=dtype_of(dtype)).element_size()
+    return dtype_of(dtype).itemsize
 
 
 def normalize_optimizer(name: str) -> str:
@@ -50,11 +49,11 @@ def normalize_optimizer(name: str) -> str:
     return key
 
 
-def count_params(model: nn.Module, *, trainable_only: bool = False) -> int:
+def count_params(model: nn.Module) -> int:
     """Number of parameters, each shared (tied) parameter counted once."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"count_params needs a torch.nn.Module, not {type(model).__name__}.")
-    return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
+    return sum(p.numel() for p in model.parameters())
 
 
 def optimizer_state_bytes(n_params: int, optimizer: str = "adam", *, param_dtype="fp32",
@@ -101,7 +100,7 @@ def _forward_profile(model: nn.Module, inputs, kwargs) -> dict:
     params, seen, last_use = {storage_key(p) for p in model.parameters()}, set(), {}
     leaf_modules = {id(m): name for name, m in model.named_modules() if not list(m.children())}
     # each call of a leaf module opens a segment; ops outside modules join the segment of the module called last
-    segments: list[dict] = [{"saved": 0, "largest": 0, "module": BEFORE_ANY_MODULE}]
+    segments: list[dict] = [{"saved": 0, "largest": 0, "module": "(before any module)"}]
 
     def pre_hook(module, args):
         if id(module) in leaf_modules:
@@ -146,8 +145,7 @@ def _forward_profile(model: nn.Module, inputs, kwargs) -> dict:
     for seg in segments:
         if seg["saved"]:
             by_module[seg["module"]] = by_module.get(seg["module"], 0) + seg["saved"]
-    return {"saved": saved, "output": output_bytes, "largest_output": largest_output, "inputs": sum(ins),
-            "backward_peak": backward_peak, "grads_bytes": sum(b for _, b in last_use.values()),
+    return {"saved": saved, "output": output_bytes, "inputs": sum(ins), "backward_peak": backward_peak,
             "by_module": by_module}
 
 
@@ -160,18 +158,6 @@ def activation_bytes(model: nn.Module, *inputs, **kwargs) -> int:
 def saved_bytes_by_module(model: nn.Module, *inputs, **kwargs) -> dict[str, int]:
     """Bytes autograd saves during one forward pass, by the leaf module that was running."""
     return _forward_profile(model, inputs, kwargs)["by_module"]
-
-
-def step_scratch_bytes(param_sizes: list[int], optimizer: str = "adam", *, param_dtype="fp32",
-                       foreach: bool = False) -> int:
-    """Temporary bytes ``optimizer.step()`` allocates: per-tensor Adam (CPU) two temporaries of the largest tensor,
-    foreach Adam (CUDA) about one copy of the model; SGD works in place."""
-    opt = normalize_optimizer(optimizer)
-    if not param_sizes:
-        raise ValueError("param_sizes is empty: pass the numel of each parameter tensor.")
-    if opt not in ("adam", "adamw"):
-        return 0
-    return (sum(param_sizes) if foreach else 2 * max(param_sizes)) * bytes_per_element(param_dtype)
 
 
 @dataclass
@@ -198,16 +184,17 @@ def estimate_training_memory(model: nn.Module, *inputs, optimizer: str = "adam",
     """Predict the peak of one training step of ``model`` on ``inputs``: the larger of backward's start (state +
     activations + 2 x the largest output) and the optimizer step (state + grads + step scratch)."""
     opt = normalize_optimizer(optimizer)
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"Expected a torch.nn.Module, not {type(model).__name__}.")
+    profile = _forward_profile(model, inputs, kwargs)
     params = list(model.parameters())
     if not params:
         raise ValueError("The model has no parameters; nothing to train.")
-    n, dtype, sizes = count_params(model), params[0].dtype, [p.numel() for p in params]
-    state = training_state_bytes(n, optimizer=opt, param_dtype=dtype, tensor_sizes=sizes)
-    profile = _forward_profile(model, inputs, kwargs)
+    n, sizes = count_params(model), [p.numel() for p in params]
+    state = training_state_bytes(n, optimizer=opt, param_dtype=params[0].dtype, tensor_sizes=sizes)
     acts = profile["saved"] + profile["output"]
-    scratch = step_scratch_bytes(sizes, opt, param_dtype=dtype, foreach=params[0].device.type == "cuda")
+    # optimizer.step()'s temporaries: foreach Adam (CUDA) about one copy of the model, per-tensor Adam (CPU) two of
+    # the largest tensor; SGD works in place
+    on_cuda = params[0].device.type == "cuda"
+    scratch = (n if on_cuda else 2 * max(sizes)) * params[0].element_size() if opt in ("adam", "adamw") else 0
     # activations not yet freed + gradients made so far + temporaries, at backward's highest point
     backward_transient = profile["backward_peak"]
     step_transient = state.grads + scratch + profile["inputs"]

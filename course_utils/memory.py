@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_flatten
 
 from .hardware import cuda_context_from_counters
 from .models import _is_fake
-from .validation import byte_counts, callable_arg, positive_int
+from .validation import callable_arg, positive_int
 from .units import GIB, MIB  # noqa: F401 - re-exported: notebooks import them from here
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "other")
@@ -118,35 +118,6 @@ class CudaCounters:
             setattr(self, name, method if name == "empty_cache" else functools.partial(method, self.device))
 
 
-def combine_allocator_counters(*, state_bytes: int, allocated_at_start: int, max_allocated: int,
-                               reserved_at_start: int | None = None, max_reserved: int | None = None,
-                               device_free: int | None = None, device_total: int | None = None,
-                               reserved_now: int | None = None) -> dict[str, int | None]:
-    """One step's figures from the allocator's counters (pure arithmetic): peak = state + (max_allocated -
-    allocated_at_start); the reserved peak never below it; the CUDA context. Optional figures None when unread."""
-    byte_counts(state_bytes=state_bytes, allocated_at_start=allocated_at_start, max_allocated=max_allocated)
-    if max_allocated < allocated_at_start:
-        raise ValueError(f"max_allocated ({max_allocated}) is below allocated_at_start ({allocated_at_start}): reset "
-                         "the peak statistics (reset_peak_memory_stats) at the start, and read max_memory_allocated() after fn.")
-    fn_bytes = max_allocated - allocated_at_start
-    peak, reserved_peak, context = state_bytes + fn_bytes, None, None
-    if (reserved_at_start is None) != (max_reserved is None):
-        raise ValueError("Pass both reserved_at_start and max_reserved, or neither.")
-    if max_reserved is not None:
-        byte_counts(reserved_at_start=reserved_at_start, max_reserved=max_reserved)
-        if max_reserved < reserved_at_start:
-            raise ValueError(f"max_reserved ({max_reserved}) is below reserved_at_start ({reserved_at_start}): "
-                             "read them in that order.")
-        # free room in a segment that also holds older tensors can serve fn: the growth alone may read low
-        reserved_peak = max(peak, state_bytes + max_reserved - reserved_at_start)
-    readings = (device_free, device_total, reserved_now)
-    if readings != (None, None, None):
-        if None in readings:
-            raise ValueError("Pass device_free, device_total and reserved_now together (mem_get_info() and memory_reserved()).")
-        context = cuda_context_from_counters(*readings)
-    return {"peak_bytes": peak, "fn_bytes": fn_bytes, "reserved_peak_bytes": reserved_peak, "cuda_context_bytes": context}
-
-
 @dataclass
 class MemoryReport:
     """What :func:`measure_memory` found. Byte counts are ints; the CUDA-only fields are None elsewhere."""
@@ -159,8 +130,8 @@ class MemoryReport:
     fake: bool = False
     notes: list[str] = field(default_factory=list)
     reserved_peak_bytes: int | None = None  # the caching allocator's reserved peak for fn (CUDA)
-    cuda_context_bytes: int | None = None  # the card's use outside the allocator (CUDA; see combine_allocator_counters)
-    allocator_readings: dict[str, int] | None = None  # the raw counters combine_allocator_counters combined (CUDA)
+    cuda_context_bytes: int | None = None  # the card's use outside the allocator (CUDA; hardware.cuda_context_bytes)
+    allocator_readings: dict[str, int] | None = None  # the raw counters the CUDA figures come from
 
     peak_mib = property(lambda self: self.peak_bytes / MIB)
     peak_gib = property(lambda self: self.peak_bytes / GIB)
@@ -287,21 +258,23 @@ def measure_memory(fn, *, model: nn.Module | None = None, optimizer=None, counte
         by_category["optimizer"], by_category["other"] = state_bytes, by_category["other"] + extra
         notes.append(f"{format_bytes(extra)} of optimizer-step temporaries counted as 'other'")
 
-    figures = {"peak_bytes": tracked_peak, "reserved_peak_bytes": None, "cuda_context_bytes": None}
-    readings = None
+    report = MemoryReport(peak_bytes=tracked_peak, by_category=by_category, device=str(device),
+                          optimizer_state_bytes=state_bytes, tracked_peak_bytes=tracked_peak, fake=fake, notes=notes)
     if counters is not None:
         counters.synchronize()
         free, total = counters.mem_get_info()
-        readings = {"allocated_at_start": allocated_at_start, "max_allocated": counters.max_memory_allocated(),
-                    "reserved_at_start": reserved_at_start, "max_reserved": counters.max_memory_reserved(),
-                    "device_free": free, "device_total": total, "reserved_now": counters.memory_reserved()}
-        figures = combine_allocator_counters(state_bytes=state_at_start, **readings)
+        report.allocator_readings = readings = {
+            "allocated_at_start": allocated_at_start, "max_allocated": counters.max_memory_allocated(),
+            "reserved_at_start": reserved_at_start, "max_reserved": counters.max_memory_reserved()}
+        # tensors alive before fn (earlier cells' leftovers) are in both allocated readings and cancel out
+        report.peak_bytes = state_at_start + readings["max_allocated"] - allocated_at_start
+        # free room in a segment that also holds older tensors can serve fn: the growth alone may read low
+        reserved_growth = readings["max_reserved"] - reserved_at_start
+        report.reserved_peak_bytes = max(report.peak_bytes, state_at_start + reserved_growth)
+        report.cuda_context_bytes = cuda_context_from_counters(free, total, counters.memory_reserved())
         notes.append(f"peak from the caching allocator's counters (state + what fn added); "
                      f"tensor tracking saw {format_bytes(tracked_peak)}")
-    return MemoryReport(peak_bytes=figures["peak_bytes"], by_category=by_category, device=str(device),
-                        optimizer_state_bytes=state_bytes, tracked_peak_bytes=tracked_peak, fake=fake, notes=notes,
-                        reserved_peak_bytes=figures["reserved_peak_bytes"],
-                        cuda_context_bytes=figures["cuda_context_bytes"], allocator_readings=readings)
+    return report
 
 
 def live_bytes_over_steps(step: Callable[[int], object], n_steps: int, *, device=None, counters=None) -> list[int]:

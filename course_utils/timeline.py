@@ -8,15 +8,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from torch import nn
+from torch.distributed._tools.mem_tracker import _UpdateType  # private API: tests pin what is used of it
 
 from .memory import _TRACKER_TO_CATEGORY, CATEGORIES, _check_args, _MultiStepMemTracker
 from .models import _is_fake
 from .units import GIB, KIB, MIB
-
-try:  # private API, as in memory.py; tests/test_timeline.py pins what is used of it
-    from torch.distributed._tools.mem_tracker import _UpdateType
-except ImportError:  # pragma: no cover
-    _UpdateType = None
 
 _category = lambda reftype: _TRACKER_TO_CATEGORY.get(getattr(reftype, "value", None), "other")  # noqa: E731
 _SHADES = {"start": "#f2f2f2", "forward": "#e8f0fb", "backward": "#fbeee8", "optimizer": "#eaf6ea"}
@@ -120,8 +116,8 @@ def record_timeline(fn, *, model: nn.Module | None = None, optimizer=None) -> Ti
 
 
 def plot_timeline(timeline: Timeline, *, ax=None, reserved=None, title: str | None = None, unit: str = "MiB"):
-    """Memory over time stacked by category, the peak marked, the phases shaded; ``reserved`` (e.g. the
-    simulator's, one value per event or per alloc/free) as a dashed line."""
+    """Memory over time stacked by category, the peak marked, the phases shaded; ``reserved`` (one value per
+    alloc/free, as ``allocator.replay`` gives) as a dashed line."""
     import matplotlib.pyplot as plt
 
     from .plots import CATEGORY_COLORS
@@ -139,9 +135,9 @@ def plot_timeline(timeline: Timeline, *, ax=None, reserved=None, title: str | No
     top = timeline.peak_bytes / scale
     if reserved is not None:
         reserved = np.asarray(reserved) / scale
-        xr = x if len(reserved) == len(x) else np.flatnonzero(timeline.events["action"] != "move")
+        xr = np.flatnonzero(timeline.events["action"] != "move")
         if len(xr) != len(reserved):
-            raise ValueError(f"reserved has {len(reserved)} values; pass one per event ({len(x)}) or per alloc/free ({len(xr)}).")
+            raise ValueError(f"reserved has {len(reserved)} values; pass one per alloc/free ({len(xr)}), as replay() gives.")
         ax.plot(xr, reserved, color="black", lw=1.2, ls="--", label="reserved (simulated)")
         top = max(top, reserved.max())
     peak = timeline.peak_index

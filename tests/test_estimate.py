@@ -124,7 +124,8 @@ def test_estimate_within_10_percent_of_measurement(name, build, make_input, batc
         (lambda: estimate.activation_bytes("model", torch.ones(1)), TypeError, "nn.Module"),
         (lambda: estimate.activation_bytes(nn.Linear(2, 2)), ValueError, "example input"),
         (lambda: estimate.count_params([1, 2]), TypeError, "nn.Module"),
-        (lambda: estimate.step_scratch_bytes([], "adam"), ValueError, "numel"),
+        (lambda: estimate.estimate_training_memory(nn.ReLU(), torch.ones(1)), ValueError, "no parameters"),
+        (lambda: estimate.estimate_training_memory("model", torch.ones(1)), TypeError, "nn.Module"),
     ],
 )
 def test_bad_input(call, error, match):

@@ -8,9 +8,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from course_utils import models
-from course_utils.memory import (GIB, MIB, CudaCounters, MemoryReport, combine_allocator_counters, format_bytes,
-                                 iter_tensors, live_bytes_over_steps, measure_memory, optimizer_state_bytes,
-                                 tensor_bytes)
+from course_utils.memory import (GIB, MIB, CudaCounters, MemoryReport, format_bytes, iter_tensors,
+                                 live_bytes_over_steps, measure_memory, optimizer_state_bytes, tensor_bytes)
 
 
 def _mlp_and_adam():
@@ -235,7 +234,8 @@ def test_allocator_branch_runs_on_a_cpu_with_a_fake_counter_source():
     assert report.reserved_peak_bytes >= report.peak_bytes
     assert report.cuda_context_bytes == 300 * MIB
     assert report.card_bytes == report.reserved_peak_bytes + 300 * MIB
-    assert combine_allocator_counters(state_bytes=state, **report.allocator_readings)["peak_bytes"] == report.peak_bytes
+    readings = report.allocator_readings
+    assert state + readings["max_allocated"] - readings["allocated_at_start"] == report.peak_bytes
     assert "caching allocator" in str(report) and "CUDA context" in str(report)
     _, stale_report = measure(stale_bytes=3 * GIB)
     assert (stale_report.peak_bytes, stale_report.cuda_context_bytes) == (report.peak_bytes, report.cuda_context_bytes)
@@ -267,31 +267,17 @@ def test_off_cuda_the_allocator_fields_are_none():
     assert report.peak_bytes == report.tracked_peak_bytes
 
 
-def test_combine_allocator_counters_with_numbers():
-    figures = combine_allocator_counters(state_bytes=100, allocated_at_start=1100, max_allocated=1600,
-                                         reserved_at_start=2048, max_reserved=2560,
-                                         device_free=10_000, device_total=16_000, reserved_now=2048)
-    assert figures == {"peak_bytes": 600, "fn_bytes": 500, "reserved_peak_bytes": 612, "cuda_context_bytes": 3952}
-    # stale bytes raise both readings alike and cancel
-    assert combine_allocator_counters(state_bytes=100, allocated_at_start=9100, max_allocated=9600)["peak_bytes"] == 600
-    # reserved growth below the allocated growth (free room in an old segment served fn): never below the peak
-    low = combine_allocator_counters(state_bytes=100, allocated_at_start=1100, max_allocated=1600,
-                                     reserved_at_start=4096, max_reserved=4096)
-    assert low["reserved_peak_bytes"] == low["peak_bytes"] == 600 and low["cuda_context_bytes"] is None
-
-
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(allocated_at_start=10, max_allocated=5), "reset_peak_memory_stats"),
-    (dict(allocated_at_start=-1, max_allocated=5), "allocated_at_start"),
-    (dict(allocated_at_start=1, max_allocated=5, reserved_at_start=4), "both"),
-    (dict(allocated_at_start=1, max_allocated=5, reserved_at_start=4, max_reserved=2), "max_reserved"),
-    (dict(allocated_at_start=1, max_allocated=5, device_free=4), "together"),
-    (dict(allocated_at_start=1, max_allocated=5, device_free=9, device_total=4, reserved_now=0), "exceeds"),
-    (dict(allocated_at_start=1.5, max_allocated=5), "whole number"),
-])
-def test_combine_allocator_counters_rejects_bad_readings(kwargs, match):
-    with pytest.raises(ValueError, match=match):
-        combine_allocator_counters(state_bytes=0, **kwargs)
+def test_the_reserved_peak_is_never_below_the_allocated_peak():
+    # fn's tensor fits in the free room of a segment reserved before it: reserved does not grow, allocated does
+    model, opt = _mlp_and_adam()
+    _train_step(model, opt)
+    state = tensor_bytes(*model.parameters()) + optimizer_state_bytes(opt)
+    fake = FakeAllocator()
+    fake.allocate(state)
+    room = fake.reserved - fake.allocated
+    report = measure_memory(lambda: (fake.allocate(room), fake.free(room)), model=model, optimizer=opt, counters=fake)
+    assert room > 0 and report.peak_bytes == state + room
+    assert report.reserved_peak_bytes == report.peak_bytes
 
 
 def test_counter_sources_are_checked():

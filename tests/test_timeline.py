@@ -130,6 +130,8 @@ def test_plot_and_bad_input(mlp_timeline):
         timeline.plot_timeline("nope")
     with pytest.raises(ValueError, match="unit"):
         timeline.plot_timeline(tl, unit="MB")
+    with pytest.raises(ValueError, match="one per alloc/free"):
+        timeline.plot_timeline(tl, reserved=frame["reserved"][:-1])
     with pytest.raises(TypeError, match="callable"):
         timeline.record_timeline(42)
     with pytest.raises(TypeError, match="Module"):
