@@ -20,7 +20,9 @@ import torch
 from torch import nn
 
 from . import paths
-from .validation import positive_int, positive_number
+from .hardware import gpu_bytes_needed
+from .precision import recommend_precision
+from .validation import byte_counts, callable_arg, positive_int, positive_number
 
 CORPUS_FILE = "course_corpus.txt"  # in course_utils/data_files/, made by scripts/build_corpus.py
 VARIANTS = ("recipe", "streamed")
@@ -38,20 +40,14 @@ class Precision(NamedTuple):
 
 
 def device_precision(compute_capability) -> Precision:
-    """Notebook 04's rule for the device copy, from ``hardware.compute_capability()`` ((major, minor) or None).
-
-    8.0 and newer run bf16 natively (fp32's exponent range: no loss scaling); older cards (a T4 is 7.5)
-    get fp16 with dynamic loss scaling; without a GPU, fp32 (CPUs are slow at 16-bit kernels).
-    """
+    """Notebook 04's rule (:func:`course_utils.precision.recommend_precision`) for the device copy, from
+    ``hardware.compute_capability()``: bf16 from 8.0, fp16 with loss scaling below, fp32 without a GPU."""
+    recipe = recommend_precision(compute_capability)  # it also checks the input
     if compute_capability is None:
         return Precision(torch.float32, False, "no CUDA GPU: an fp32 device copy (CPUs are slow at 16-bit "
                                                "kernels); fp32 needs no loss scaling")
-    if (not isinstance(compute_capability, tuple) or len(compute_capability) != 2
-            or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in compute_capability)):
-        raise ValueError(f"compute_capability must be (major, minor), e.g. (7, 5) for a T4, or None without a GPU; "
-                         f"got {compute_capability!r}.")
     cc = f"{compute_capability[0]}.{compute_capability[1]}"
-    if compute_capability >= (8, 0):
+    if recipe.startswith("bf16"):
         return Precision(torch.bfloat16, False, f"compute capability {cc} runs bf16 natively; bf16 has fp32's "
                                                 "exponent range, so no loss scaling")
     return Precision(torch.float16, True, f"compute capability {cc} has no native bf16 (T4 class): fp16 with "
@@ -78,10 +74,8 @@ def cpu_8bit_adams(*, compiles: bool | None = None) -> tuple[dict, str]:
     decides); bitsandbytes' ``Adam8bit`` (eager on a CPU) runs everywhere."""
     if compiles is None:
         compiles, why = cpu_compiles()
-    elif isinstance(compiles, bool):
-        why = "torch.compile works here" if compiles else "torch.compile does not work here"
     else:
-        raise TypeError(f"compiles must be True, False or None (probe this machine), not {compiles!r}.")
+        why = "torch.compile works here" if compiles else "torch.compile does not work here"
     import bitsandbytes as bnb
 
     adams = {}
@@ -107,11 +101,9 @@ class CudaCopyEngine:
     ``record_stream`` keeps the allocator from handing the freed gradient's memory on too early."""
 
     def __init__(self, device="cuda"):
-        self.device = torch.device(device)
-        if self.device.type != "cuda":
-            raise ValueError(f"CudaCopyEngine copies from a CUDA device, not {self.device}; use CpuCopyEngine there.")
-        self.stream = torch.cuda.Stream(device=self.device)
-        self.copies_started = 0
+        if torch.device(device).type != "cuda":
+            raise ValueError(f"CudaCopyEngine copies from a CUDA device, not {device}; use CpuCopyEngine there.")
+        self.stream = torch.cuda.Stream(device=device)
 
     def staging_like(self, t: torch.Tensor) -> torch.Tensor:
         """A host buffer for ``t``'s copy: pinned (page-locked), so the copy can run asynchronously."""
@@ -124,7 +116,6 @@ class CudaCopyEngine:
         src.record_stream(self.stream)
         event = torch.cuda.Event()
         event.record(self.stream)
-        self.copies_started += 1
         return event
 
     def ready(self, handle) -> bool:
@@ -135,45 +126,20 @@ class CudaCopyEngine:
 
 
 class CpuCopyEngine:
-    """The CPU twin of :class:`CudaCopyEngine` (same interface). ``deferred=True`` (tests): copies wait in
-    :attr:`pending` until ``wait``/:meth:`complete` runs them, in any order; a handle ``[src, dst, done]``
-    holds the source until then (what ``record_stream`` does on CUDA)."""
-
-    def __init__(self, *, deferred: bool = False):
-        if not isinstance(deferred, bool):
-            raise TypeError(f"deferred must be True or False, not {deferred!r}.")
-        self.deferred = deferred
-        self.pending: list = []
-        self.copies_started = 0
+    """The CPU twin of :class:`CudaCopyEngine` (same interface): a copy is done when ``start_copy`` returns.
+    The tests subclass it with copies that finish late and out of order."""
 
     def staging_like(self, t: torch.Tensor) -> torch.Tensor:
         return torch.empty(t.shape, dtype=t.dtype, device="cpu")
 
     def start_copy(self, src: torch.Tensor, dst: torch.Tensor):
-        if not isinstance(src, torch.Tensor) or not isinstance(dst, torch.Tensor):
-            raise TypeError("start_copy(src, dst) takes two tensors: the device gradient and its host buffer.")
-        if tuple(src.shape) != tuple(dst.shape):
-            raise ValueError(f"Cannot copy a tensor of shape {tuple(src.shape)} into a buffer of {tuple(dst.shape)}.")
-        handle = [src, dst, False]
-        self.copies_started += 1
-        self.pending.append(handle)
-        if not self.deferred:
-            self.complete(handle)
-        return handle
+        return dst.copy_(src)
 
     def ready(self, handle) -> bool:
-        return handle[2]
+        return True
 
     def wait(self, handle) -> None:
-        self.complete(handle)
-
-    def complete(self, handle) -> None:
-        """Run one queued copy now (tests use it to finish copies out of order)."""
-        if not handle[2]:
-            with torch.no_grad():
-                handle[1].copy_(handle[0])
-            handle[0], handle[2] = None, True
-            self.pending = [h for h in self.pending if h is not handle]
+        pass
 
 
 def copy_engine(device) -> CudaCopyEngine | CpuCopyEngine:
@@ -184,14 +150,13 @@ def copy_engine(device) -> CudaCopyEngine | CpuCopyEngine:
 # ----------------------------------------------------------------------------------------------
 # the exercise checker: the two-copy step
 # ----------------------------------------------------------------------------------------------
-def check_two_copy_step(step_fn: Callable, *, verbose: bool = True) -> bool:
+def check_two_copy_step(step_fn: Callable) -> bool:
     """Check a learner's ``two_copy_step(device_params, master_params, optimizer, scale) -> bool`` on real
     tensors (fp16 device copy, fp32 master with SGD, scale 2**10): finite gradients (one parameter without),
     an inf gradient (nothing changes, False), gradients already on the master (streaming). Device gradients
     must end as None, master gradients zero. Prints what went wrong; an unfilled stub's
     ``NotImplementedError`` propagates (the notebook then says "fill in")."""
-    if not callable(step_fn):
-        raise TypeError(f"Pass your two_copy_step function itself, not {type(step_fn).__name__}.")
+    callable_arg(step_fn, "step_fn", "your two_copy_step function itself")
     scale, lr, shapes, problems = 2.0**10, 0.5, [(3, 4), (5,), (2,)], []
     for label, seed, on_device, overflow in (("finite gradients", 1, True, False),
                                              ("an fp16 overflow (inf gradient)", 2, True, True),
@@ -228,14 +193,13 @@ def check_two_copy_step(step_fn: Callable, *, verbose: bool = True) -> bool:
             problems.append(f"with {label} the device gradients were left behind (set them to None)")
         if any(m.grad is not None and bool(m.grad.any()) for m in master):
             problems.append(f"with {label} the master gradients were not zeroed for the next step")
-    if verbose:
-        print("✓ two_copy_step: correct with finite gradients, an overflow, and streamed gradients." if not problems
-              else "✗ two_copy_step: " + "; ".join(problems) + ".")
+    print("✓ two_copy_step: correct with finite gradients, an overflow, and streamed gradients." if not problems
+          else "✗ two_copy_step: " + "; ".join(problems) + ".")
     return not problems
 
 
 # ----------------------------------------------------------------------------------------------
-# the micro-batch that fits a card
+# the GPU peak, predicted with fake tensors, and the micro-batch that fits a card
 # ----------------------------------------------------------------------------------------------
 def largest_fitting_micro_batch(peak_for: Callable, budget_bytes: int, start: int):
     """Halve the micro-batch from ``start`` until one step fits a card of ``budget_bytes``.
@@ -244,19 +208,11 @@ def largest_fitting_micro_batch(peak_for: Callable, budget_bytes: int, start: in
     adds the allocator reserve and CUDA context (``hardware.gpu_bytes_needed``). Returns
     ``(micro_batch, what peak_for returned, bytes needed)``; ``ValueError`` if not even 1 fits.
     """
-    from .hardware import gpu_bytes_needed
-
-    if not callable(peak_for):
-        raise TypeError("peak_for must be a function micro_batch -> tensor peak (bytes or a report).")
-    budget = positive_int(budget_bytes, "budget_bytes")
-    micro_batch = positive_int(start, "start")
-    tried = []
+    callable_arg(peak_for, "peak_for", "a function micro_batch -> tensor peak (bytes or a report)")
+    budget, micro_batch, tried = positive_int(budget_bytes, "budget_bytes"), positive_int(start, "start"), []
     while True:
         result = peak_for(micro_batch)
-        peak = getattr(result, "peak_bytes", result)
-        if isinstance(peak, bool) or not isinstance(peak, int) or peak < 0:
-            raise TypeError(f"peak_for({micro_batch}) must give a whole number of bytes, not {peak!r}.")
-        needed = gpu_bytes_needed(peak)
+        needed = gpu_bytes_needed(getattr(result, "peak_bytes", result))
         tried.append(f"{micro_batch}: {needed / 2**30:.2f} GiB")
         if needed <= budget:
             return micro_batch, result, needed
@@ -266,9 +222,6 @@ def largest_fitting_micro_batch(peak_for: Callable, budget_bytes: int, start: in
         micro_batch //= 2
 
 
-# ----------------------------------------------------------------------------------------------
-# fake-tensor prediction of the GPU peak
-# ----------------------------------------------------------------------------------------------
 def enable_checkpointing(model: nn.Module) -> None:
     """Gradient (activation) checkpointing on a transformers model, non-reentrant."""
     if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x's name
@@ -277,28 +230,22 @@ def enable_checkpointing(model: nn.Module) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     else:
         raise TypeError(f"{type(model).__name__} has no gradient checkpointing switch; pass a transformers model.")
-    if hasattr(model, "config"):
-        model.config.use_cache = False
+    model.config.use_cache = False
 
 
 def fake_device() -> str:
-    """The device a fake-tensor prediction claims: 'cuda' where a GPU is present, else 'cpu'.
-
-    Fake CUDA tensors can be created without a GPU (CUDA build of torch), but autograd's
-    backward asks the CUDA driver for a context and fails there, so without a GPU the
-    prediction runs its fake tensors on 'cpu': the same shapes, dtypes and memory.
-    """
+    """The device a fake-tensor prediction claims: 'cuda' where a GPU is present, else 'cpu' (without a GPU,
+    autograd's backward on fake CUDA tensors asks the driver for a context and fails; 'cpu' has the same shapes)."""
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def predict_gpu_peak(config_or_name="gpt2-xl", *, variant: str = "recipe", micro_batch: int = 4,
-                     seq_len: int = 1024, dtype: torch.dtype = torch.float16, device: str | None = None,
-                     attention: str = "fused", **overrides):
+                     seq_len: int = 1024, dtype: torch.dtype = torch.float16, attention: str = "fused", **overrides):
     """The GPU peak of one micro-step (forward + backward) of the capstone, predicted with fake tensors.
 
     GPT-2 under ``FakeTensorMode`` (shapes, no memory) in ``dtype``, checkpointed, measured with
-    :func:`course_utils.memory.measure_memory`. ``variant='recipe'``: every gradient stays on the GPU
-    until the step; ``'streamed'``: each leaves as soon as backward produced it. The CPU side is not
+    :func:`course_utils.memory.measure_memory` on :func:`fake_device`. ``variant='recipe'``: every gradient stays
+    on the GPU until the step; ``'streamed'``: each leaves as soon as backward produced it. The CPU side is not
     counted. Tensors are priced as CUDA keeps them (``models.as_on_cuda``; ``attention='fused'``: SDPA's
     output + log-sum-exp, ``'math'``: written-out attention). GPT-2-XL: 10-20 s on 2 cores. Returns the
     :class:`course_utils.memory.MemoryReport`.
@@ -310,11 +257,7 @@ def predict_gpu_peak(config_or_name="gpt2-xl", *, variant: str = "recipe", micro
         raise ValueError(f"variant must be one of {VARIANTS}, not {variant!r}.")
     positive_int(micro_batch, "micro_batch")
     positive_int(seq_len, "seq_len")
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise TypeError(f"dtype must be a floating torch.dtype such as torch.float16, not {dtype!r}.")
-    device = device or fake_device()
-    if device not in ("cpu", "cuda"):
-        raise ValueError(f"device must be 'cpu' or 'cuda', not {device!r}.")
+    device = fake_device()
     config = models.gpt2_config(config_or_name, **overrides) if isinstance(config_or_name, str) else config_or_name
     if seq_len > config.n_positions:
         raise ValueError(f"seq_len {seq_len} is longer than the model's context ({config.n_positions} tokens).")
@@ -345,25 +288,20 @@ def _free_grad(param: torch.Tensor) -> None:
 # ----------------------------------------------------------------------------------------------
 # PCIe arithmetic
 # ----------------------------------------------------------------------------------------------
-def pcie_bytes_per_step(n_params: int, *, variant: str = "recipe", accum_steps: int = 16,
-                        grad_bytes: int = 2, weight_bytes: int = 2) -> dict:
+def pcie_bytes_per_step(n_params: int, *, variant: str = "recipe", accum_steps: int = 16, grad_bytes: int = 2) -> dict:
     """Bytes crossing PCIe per optimizer step: gradients device->host (the recipe once, the streamed
-    variant every micro-batch's, ``accum_steps`` times), the new weights host->device once."""
-    n = positive_int(n_params, "n_params")
+    variant every micro-batch's, ``accum_steps`` times), the new 16-bit weights host->device once."""
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, not {variant!r}.")
-    accum = positive_int(accum_steps, "accum_steps")
-    positive_int(grad_bytes, "grad_bytes")
-    positive_int(weight_bytes, "weight_bytes")
-    copies = 1 if variant == "recipe" else accum
-    to_host, to_device = copies * n * grad_bytes, n * weight_bytes
+    n = positive_int(n_params, "n_params")
+    copies = 1 if variant == "recipe" else positive_int(accum_steps, "accum_steps")
+    to_host, to_device = copies * n * positive_int(grad_bytes, "grad_bytes"), n * 2
     return {"to_host": to_host, "to_device": to_device, "total": to_host + to_device}
 
 
 def transfer_seconds(n_bytes: int, gb_per_s: float) -> float:
     """Seconds to move ``n_bytes`` at ``gb_per_s`` (1e9 bytes per second)."""
-    if isinstance(n_bytes, bool) or not isinstance(n_bytes, int) or n_bytes < 0:
-        raise ValueError(f"n_bytes must be a whole number >= 0, not {n_bytes!r}.")
+    byte_counts(n_bytes=n_bytes)
     return n_bytes / (positive_number(gb_per_s, "gb_per_s") * 1e9)
 
 
@@ -384,25 +322,15 @@ def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
-    if state.get("cuda") is not None and torch.cuda.is_available():
+    if state["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _check_trainer(trainer) -> None:
-    if not (callable(getattr(trainer, "state_dict", None)) and callable(getattr(trainer, "load_state_dict", None))):
-        raise TypeError(f"trainer must have state_dict() and load_state_dict() (the notebook's trainers do), "
-                        f"not {type(trainer).__name__}.")
 
 
 def save_checkpoint(path, trainer, *, step: int, data_position: int, extra: dict | None = None) -> Path:
     """Write ``trainer.state_dict()`` + step + RNG + data position to ``path`` atomically (``path.tmp``, then
     ``os.replace``: a session dying mid-write leaves the previous checkpoint whole), with ``trainer.variant``."""
-    _check_trainer(trainer)
-    for name, value in (("step", step), ("data_position", data_position)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"{name} must be a whole number >= 0, not {value!r}.")
-    if extra is not None and not isinstance(extra, dict):
-        raise TypeError(f"extra must be a dict (e.g. {{'losses': [...]}}) or None, not {type(extra).__name__}.")
+    positive_int(step, "step", allow_zero=True)
+    positive_int(data_position, "data_position", allow_zero=True)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {"trainer": trainer.state_dict(), "variant": getattr(trainer, "variant", None), "step": step,
@@ -419,15 +347,14 @@ def load_checkpoint(path, trainer) -> dict | None:
     Returns ``{'step', 'data_position', 'extra'}``, or None when there is no checkpoint yet.
     Only load checkpoints you wrote: the file holds pickled Python objects (RNG states).
     """
-    _check_trainer(trainer)
     path = Path(path)
     if not path.exists():
         return None
     payload = torch.load(path, map_location="cpu", weights_only=False)
     if not isinstance(payload, dict) or "trainer" not in payload:
         raise ValueError(f"{path.name} is not a capstone checkpoint; delete it to start over.")
-    if payload.get("variant") != getattr(trainer, "variant", None):
-        raise ValueError(f"{path.name} was saved by the {payload.get('variant')!r} trainer, not "
+    if payload["variant"] != getattr(trainer, "variant", None):
+        raise ValueError(f"{path.name} was saved by the {payload['variant']!r} trainer, not "
                          f"{getattr(trainer, 'variant', None)!r}; use a separate checkpoint file per variant.")
     trainer.load_state_dict(payload["trainer"])
     set_rng_state(payload["rng"])
@@ -469,55 +396,29 @@ def course_corpus(notebooks_dir=None, *, min_chars: int = 2000) -> tuple[str, st
 
 
 class ByteTokenizer:
-    """The simplest tokenizer there is: each UTF-8 byte (0-255) is one token id.
+    """The tokenizer that needs no file: each UTF-8 byte (0-255) is one token id (about 4x as many tokens as
+    GPT-2's BPE for English, and the model must learn spelling)."""
 
-    Used when GPT-2's BPE tokenizer cannot be loaded offline. A byte sequence is about 4x
-    longer than GPT-2 tokens for English, and the model must learn spelling, but it needs no file.
-    """
-
-    name = "byte-level (UTF-8 bytes 0-255 -> ids 0-255)"
     vocab_size = 256
-    eos_token_id = 0
 
     def encode(self, text: str) -> list[int]:
-        if not isinstance(text, str):
-            raise TypeError(f"encode takes a str, not {type(text).__name__}.")
         return list(text.encode("utf-8"))
 
     def decode(self, ids: Iterable[int]) -> str:
-        ids = [int(i) for i in (ids.tolist() if isinstance(ids, torch.Tensor) else ids)]
-        if any(i < 0 or i > 255 for i in ids):
-            raise ValueError("ByteTokenizer ids must be in 0..255.")
-        return bytes(ids).decode("utf-8", errors="replace")
-
-
-class _HFTokenizer:
-    def __init__(self, tok, name: str):
-        self._tok, self.name, self.vocab_size, self.eos_token_id = tok, f"{name} (BPE)", len(tok), tok.eos_token_id
-
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text)
-
-    def decode(self, ids) -> str:
-        return self._tok.decode(ids.tolist() if isinstance(ids, torch.Tensor) else list(ids))
+        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
 
 
 def load_tokenizer(name: str = "gpt2", *, allow_download: bool = False):
-    """GPT-2's tokenizer if it can be loaded (from the local cache, or the hub when
-    ``allow_download``), else :class:`ByteTokenizer`. Returns ``(tokenizer, message)``."""
-    if not isinstance(name, str) or not name:
-        raise ValueError("name must be a tokenizer name such as 'gpt2'.")
+    """``(tokenizer, message)``: GPT-2's BPE tokenizer if it can be loaded (from the local cache, or the hub when
+    ``allow_download``), else :class:`ByteTokenizer`."""
     try:
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(name, local_files_only=not allow_download)
-        return _HFTokenizer(tok, name), f"loaded the {name!r} BPE tokenizer ({len(tok):,} tokens)"
+        return tok, f"loaded the {name!r} BPE tokenizer ({len(tok):,} tokens)"
     except Exception as err:  # offline, no cache, no transformers: all mean the same here
-        reason = type(err).__name__
-        return ByteTokenizer(), (
-            f"could not load the {name!r} tokenizer offline ({reason}): using the byte-level tokenizer, "
-            "UTF-8 bytes 0-255 as token ids (vocabulary 256)"
-        )
+        return ByteTokenizer(), (f"could not load the {name!r} tokenizer offline ({type(err).__name__}): using the "
+                                 "byte-level tokenizer, UTF-8 bytes 0-255 as token ids (vocabulary 256)")
 
 
 @dataclass
@@ -536,19 +437,12 @@ class TokenBatches:
     def __post_init__(self):
         if not isinstance(self.tokens, torch.Tensor) or self.tokens.dim() != 1 or self.tokens.dtype.is_floating_point:
             raise TypeError("tokens must be a 1-D integer tensor of token ids.")
-        positive_int(self.seq_len, "seq_len")
         positive_int(self.micro_batch, "micro_batch")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-            raise ValueError(f"seed must be a whole number >= 0, not {self.seed!r}.")
-        if len(self.tokens) < self.seq_len + 1:
-            raise ValueError(
-                f"The corpus has {len(self.tokens)} tokens, fewer than seq_len + 1 = {self.seq_len + 1}; "
-                "use a shorter seq_len or more text."
-            )
+        if len(self.tokens) < positive_int(self.seq_len, "seq_len") + 1:
+            raise ValueError(f"The corpus has {len(self.tokens)} tokens, fewer than seq_len + 1 = {self.seq_len + 1}; "
+                             "use a shorter seq_len or more text.")
 
     def __getitem__(self, index: int) -> torch.Tensor:
-        if isinstance(index, bool) or not isinstance(index, int) or index < 0:
-            raise ValueError(f"batch index must be a whole number >= 0, not {index!r}.")
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
         starts = torch.randint(0, len(self.tokens) - self.seq_len + 1, (self.micro_batch,), generator=gen)
         return torch.stack([self.tokens[s:s + self.seq_len] for s in starts.tolist()])
@@ -568,15 +462,10 @@ def sample_text(model: nn.Module, tokenizer, prompt: str, *, n_tokens: int = 60,
                 top_k: int = 40, seed: int = 0) -> str:
     """The ``n_tokens`` sampled after ``prompt`` (top-k, seeded), in eval mode without a KV cache (train mode
     restored after). A model wider than its tokenizer samples only ids the tokenizer can decode."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}.")
     if not isinstance(prompt, str) or not prompt:
         raise ValueError("prompt must be a non-empty string.")
-    positive_int(n_tokens, "n_tokens")
-    positive_int(top_k, "top_k")
-    temperature = positive_number(temperature, "temperature")
+    top_k, temperature = positive_int(top_k, "top_k"), positive_number(temperature, "temperature")
     device = next(model.parameters()).device
-    context = getattr(getattr(model, "config", None), "n_positions", 1024)
     ids = torch.tensor([tokenizer.encode(prompt)], device=device)
     gen = torch.Generator(device="cpu").manual_seed(seed)
     was_training = model.training
@@ -584,10 +473,9 @@ def sample_text(model: nn.Module, tokenizer, prompt: str, *, n_tokens: int = 60,
     try:
         new = []
         for _ in range(n_tokens):
-            logits = model(input_ids=ids[:, -context:]).logits[0, -1].float().cpu() / temperature
+            logits = model(input_ids=ids[:, -model.config.n_positions:]).logits[0, -1].float().cpu() / temperature
             logits = logits[:tokenizer.vocab_size]  # a model wider than its tokenizer samples only ids it can decode
-            k = min(top_k, logits.numel())
-            values, indices = torch.topk(logits, k)
+            values, indices = torch.topk(logits, min(top_k, logits.numel()))
             choice = indices[torch.multinomial(torch.softmax(values, dim=-1), 1, generator=gen)]
             new.append(int(choice))
             ids = torch.cat([ids, choice.view(1, 1).to(device)], dim=1)

@@ -249,11 +249,36 @@ def test_streamed_frees_gradients_during_backward():
     trainer.remove_hooks()
 
 
-class ShuffledCopyEngine(capstone.CpuCopyEngine):
+class DeferredCopyEngine(capstone.CpuCopyEngine):
+    """The CPU engine with copies that wait in ``pending`` until ``wait``/``complete`` runs them, in any order; a
+    handle ``[src, dst, done]`` holds the source until then (what ``record_stream`` does on CUDA)."""
+
+    def __init__(self):
+        self.pending = []
+
+    def start_copy(self, src, dst):
+        handle = [src, dst, False]
+        self.pending.append(handle)
+        return handle
+
+    def ready(self, handle):
+        return handle[2]
+
+    def wait(self, handle):
+        self.complete(handle)
+
+    def complete(self, handle):
+        if not handle[2]:
+            handle[1].copy_(handle[0])
+            handle[0], handle[2] = None, True
+            self.pending = [h for h in self.pending if h is not handle]
+
+
+class ShuffledCopyEngine(DeferredCopyEngine):
     """Deferred copies that finish late and out of order: each new copy completes a random pending one."""
 
     def __init__(self, seed=0, keep=3):
-        super().__init__(deferred=True)
+        super().__init__()
         self.rng, self.keep = random.Random(seed), keep
         self.max_pending = 0
         self.out_of_order = 0
@@ -301,21 +326,20 @@ def test_streaming_hook_with_late_out_of_order_copies_gives_the_same_update():
 
 
 def test_cpu_copy_engine_interface():
-    engine = capstone.CpuCopyEngine(deferred=True)
-    src, dst = torch.arange(4.0), capstone.CpuCopyEngine().staging_like(torch.empty(4, dtype=torch.float16))
+    engine = capstone.copy_engine("cpu")
+    assert isinstance(engine, capstone.CpuCopyEngine)
+    dst = engine.staging_like(torch.empty(4, dtype=torch.float16))
     assert dst.dtype == torch.float16 and not dst.is_pinned()
-    handle = engine.start_copy(src, dst)
-    assert not engine.ready(handle) and engine.pending == [handle]
-    src.add_(1)  # held by the queued copy (as record_stream keeps a CUDA gradient): copied at completion
+    handle = engine.start_copy(torch.arange(4.0), dst)
+    assert engine.ready(handle) and torch.equal(dst.float(), torch.arange(4.0))
     engine.wait(handle)
-    assert engine.ready(handle) and torch.equal(dst.float(), torch.arange(1.0, 5.0)) and not engine.pending
-    eager = capstone.CpuCopyEngine()
-    assert eager.ready(eager.start_copy(torch.ones(2), torch.empty(2)))
-    assert isinstance(capstone.copy_engine("cpu"), capstone.CpuCopyEngine)
-    with pytest.raises(ValueError, match="shape"):
-        eager.start_copy(torch.ones(2), torch.empty(3))
-    with pytest.raises(TypeError, match="two tensors"):
-        eager.start_copy([1.0], torch.empty(1))
+    deferred = DeferredCopyEngine()
+    src = torch.arange(4.0)
+    handle = deferred.start_copy(src, dst)
+    assert not deferred.ready(handle) and deferred.pending == [handle]
+    src.add_(1)  # held by the queued copy (as record_stream keeps a CUDA gradient): copied at completion
+    deferred.wait(handle)
+    assert deferred.ready(handle) and torch.equal(dst.float(), torch.arange(1.0, 5.0)) and not deferred.pending
     with pytest.raises(ValueError, match="CpuCopyEngine"):
         capstone.CudaCopyEngine("cpu")
 
@@ -333,14 +357,14 @@ def test_cuda_copy_engine_streams_the_same_update_as_the_cpu_twin():
             x = x.to(next(trainer.model.parameters()).device)
             trainer.backward(trainer.model(input_ids=x, labels=x).loss / 4)
         assert trainer.step() is True
-    assert engine.copies_started == 4 * len(gpu.device_params)
+    assert gpu.bytes_to_host == cpu.bytes_to_host and not gpu.in_flight  # every copy arrived and was added
     assert capstone.param_diff(cpu.master_params, gpu.master_params) < 1e-5
 
 
 # ----------------------------------------------------------------------------------------------- the exercise
 def test_exercise_checker_accepts_the_solution_and_rejects_mistakes():
     step = lesson()["two_copy_step"]
-    assert capstone.check_two_copy_step(step, verbose=False) is True
+    assert capstone.check_two_copy_step(step) is True
 
     def no_unscale(d, m, opt, scale):
         return step(d, m, opt, 1.0)
@@ -415,7 +439,7 @@ def test_largest_fitting_micro_batch_counts_context_and_reserve():
     assert mb == 2 and result == peak(2) and needed == hardware.gpu_bytes_needed(peak(2)) <= 6 * 2**30
     with pytest.raises(ValueError, match="Not even a micro-batch of 1"):
         capstone.largest_fitting_micro_batch(peak, 2 * 2**30, 4)
-    with pytest.raises(TypeError, match="bytes"):
+    with pytest.raises(ValueError, match="bytes"):
         capstone.largest_fitting_micro_batch(lambda mb: "lots", 2**30, 1)
 
 
@@ -485,8 +509,6 @@ def test_checkpoint_rejects_other_variant_and_missing(tmp_path):
         capstone.load_checkpoint(tmp_path / "c.pt", stream)
     with pytest.raises(ValueError, match="step"):
         capstone.save_checkpoint(tmp_path / "c.pt", trainer, step=-1, data_position=0)
-    with pytest.raises(TypeError, match="state_dict"):
-        capstone.save_checkpoint(tmp_path / "c.pt", object(), step=0, data_position=0)
     stream.remove_hooks()
 
 
@@ -535,8 +557,6 @@ def test_bad_inputs_say_what_to_change():
         capstone.TokenBatches(torch.randn(100), seq_len=8, micro_batch=2)
     with pytest.raises(ValueError, match="fewer than"):
         capstone.TokenBatches(torch.arange(5), seq_len=8, micro_batch=2)
-    with pytest.raises(TypeError, match="deferred"):
-        capstone.CpuCopyEngine(deferred="yes")
 
 
 def test_sample_text_is_seeded_and_checks_input():
@@ -591,8 +611,6 @@ def test_cpu_8bit_adams_with_and_without_a_compiler(monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "torchao.optim", None)  # torchao not installed
     adams, message = capstone.cpu_8bit_adams(compiles=True)
     assert list(adams) == ["bitsandbytes Adam8bit"] and "pip install torchao" in message
-    with pytest.raises(TypeError, match="compiles"):
-        capstone.cpu_8bit_adams(compiles="yes")
 
 
 def test_cpu_compiles_probe_reports_a_missing_compiler(monkeypatch):
