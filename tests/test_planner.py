@@ -202,7 +202,7 @@ def test_a_verdict_counts_the_allocator_reserve_and_the_cuda_context():
     between = (plan.tensor_peak_bytes + plan.peak_bytes) / 2 / GIB
     tight = planner.predict("gpt2-medium", planner.custom_gpu(between), micro_batch=4, size=1024)
     assert tight.tensor_peak_bytes < tight.gpu.memory_bytes and not tight.fits
-    assert "does NOT fit" in tight.verdict()
+    assert "does NOT fit" in tight.summary()
     assert planner.predict("gpt2-medium", micro_batch=4, size=1024, device="cpu").by_category["overhead"] == 0
 
 
@@ -280,9 +280,6 @@ def test_cheapest_fit_returns_nothing_when_it_already_fits():
     (dict(micro_batch=4, stream_weights=True), "master_on_cpu=True"),
     (dict(micro_batch=4, lora_rank=8, master_on_cpu=True), "master_on_cpu=False"),
     (dict(micro_batch=4, lora_rank=0), "lora_rank must be positive"),
-    (dict(micro_batch=4, master_on_cpu=True, cpu_optimizer="lion_cpu"), "Unknown cpu_optimizer"),
-    (dict(micro_batch=4, master_on_cpu=True, cpu_optimizer="bnb_adam8bit"), "same state"),
-    (dict(micro_batch=4, cpu_optimizer="adamw_fused"), "master_on_cpu=True"),
 ])
 def test_bad_settings_raise_value_error_saying_what_to_change(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -563,12 +560,7 @@ def test_cpu_step_uses_the_learners_measurement_when_recorded(tmp_path, monkeypa
     assert ns == 3.2 and "measured on this machine" in source
     measured = planner.predict("gpt2-xl", optimizer="adam8bit", **kw)
     assert any("measured on this machine" in note for note in measured.notes)
-    same = planner.predict("gpt2-xl", optimizer="adam8bit", cpu_optimizer="bnb_adam8bit", **kw)
-    assert measured.step_seconds == pytest.approx(same.step_seconds)
-    other = planner.predict("gpt2-xl", optimizer="adam8bit", cpu_optimizer="torchao_adamw8bit", **kw)
     n = planner.get_model("gpt2-xl").n_params
-    torchao_ns = planner.CPU_STEP_REFERENCE["torchao_adamw8bit"]
-    assert other.step_seconds - measured.step_seconds == pytest.approx(n * (torchao_ns - 3.2) * 1e-9)
     monkeypatch.setenv("COURSE_RESULTS_DIR", str(tmp_path / "nothing recorded"))
     back = planner.predict("gpt2-xl", optimizer="adam8bit", **kw)
     bnb_ns = planner.CPU_STEP_REFERENCE["bnb_adam8bit"]

@@ -10,15 +10,14 @@ from course_utils.planner import widget as pw  # noqa: E402
 
 
 def test_render_good_input_draws_a_chart():
-    result = pw.render(model="gpt2-xl", gpu="RTX 3060 (12 GB)", micro_batch=4, size=1024, accumulation=8,
-                       show=False)
+    result = pw.render(model="gpt2-xl", gpu="RTX 3060 (12 GB)", micro_batch=4, size=1024, accumulation=8)
     assert result.ok and result.figure is not None
     assert "does NOT fit" in result.message and "Cheapest set that fits" in result.message
     assert result.recommendation.plan.fits
 
 
 def test_chart_legend_and_budget_label_cover_nothing():
-    result = pw.render(model="gpt2-xl", micro_batch=4, size=1024, accumulation=8, show=False)
+    result = pw.render(model="gpt2-xl", micro_batch=4, size=1024, accumulation=8)
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
     fig = result.figure
@@ -34,25 +33,25 @@ def test_chart_legend_and_budget_label_cover_nothing():
 @pytest.mark.parametrize("kwargs,text", [
     (dict(micro_batch=0), "micro_batch must be positive"),
     (dict(micro_batch=4, size=0), "must be positive"),
-    (dict(model=pw.CUSTOM_MODEL, custom_params_m=0, micro_batch=4), "positive number of parameters"),
-    (dict(model=pw.CUSTOM_MODEL, custom_act_mib=0, micro_batch=4), "positive activation memory"),
+    (dict(model=pw.CUSTOM_MODEL, custom_params_m=0, micro_batch=4), "n_params must be positive"),
+    (dict(model=pw.CUSTOM_MODEL, custom_act_mib=0, micro_batch=4), "activation_bytes_per_sample must be a positive"),
     (dict(gpu=pw.CUSTOM_GPU, custom_gpu_gib=0, micro_batch=4), "memory_gib must be a positive"),
     (dict(model="no such model", micro_batch=4), "Unknown model"),
     (dict(micro_batch=4, stream_grads=True), "master_on_cpu=True"),
 ])
 def test_render_bad_input_returns_a_message_not_an_exception(kwargs, text):
-    result = pw.render(show=False, **kwargs)
+    result = pw.render(**kwargs)
     assert not result.ok and result.figure is None
     assert text in result.message and result.message.startswith("Cannot plan this")
 
 
 def test_render_budget_nothing_fits_keeps_the_chart_and_says_why():
-    result = pw.render(model="gpt2-xl", gpu=pw.CUSTOM_GPU, custom_gpu_gib=1, micro_batch=4, size=1024, show=False)
+    result = pw.render(model="gpt2-xl", gpu=pw.CUSTOM_GPU, custom_gpu_gib=1, micro_batch=4, size=1024)
     assert result.ok and "Nothing fits" in result.message
 
 
 def test_render_attention_math_needs_more_than_fused():
-    kw = dict(model="gpt2-medium", micro_batch=8, size=1024, search=False, show=False)
+    kw = dict(model="gpt2-medium", micro_batch=8, size=1024, search=False)
     math_path, fused = pw.render(attention="math", **kw), pw.render(attention="fused (SDPA)", **kw)
     assert math_path.plan.peak_bytes > fused.plan.peak_bytes
 

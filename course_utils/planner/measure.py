@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import functools
 
-from ..memory import iter_tensors
+from ..memory import iter_tensors, storage_key
 from ..validation import positive_int
 from .specs import ModelSpec, spec_from_data
 
@@ -30,7 +30,7 @@ TOKENS = (64, 128)  # the two sequence lengths a transformer is measured at
 
 
 def profile_activations(model, blocks, inputs=(), kwargs=None, *, autocast_dtype=None) -> dict:
-    """Saved-tensor bytes of one forward pass, split by block; works on real and fake tensors.
+    """Saved-tensor bytes of one forward pass of a model in training mode, split by block; real or fake tensors.
 
     Returns ``{"block": [...], "boundary": [...], "largest": [...], "sizes": [[...]], "stem": int, "head": int,
     "output": int}`` in bytes (stem: saved before the first block runs; head: after; output: what forward returns that
@@ -41,10 +41,8 @@ def profile_activations(model, blocks, inputs=(), kwargs=None, *, autocast_dtype
     import torch
 
     blocks = list(blocks)
-    if not blocks:
-        raise ValueError("blocks is empty: pass the model's repeated modules (e.g. model.transformer.h).")
     params = list(model.parameters())
-    param_keys = {p.untyped_storage()._cdata for p in params}
+    param_keys = {storage_key(p) for p in params}
     param_shapes = {tuple(sorted(p.shape)) for p in params if p.dim() >= 2}
     seen: dict = {}
     n = len(blocks)
@@ -64,7 +62,7 @@ def profile_activations(model, blocks, inputs=(), kwargs=None, *, autocast_dtype
         current[0] = None
 
     def pack(t):
-        key = t.untyped_storage()._cdata
+        key = storage_key(t)
         if key in param_keys or key in seen:
             return t
         if autocast_dtype is not None and t.dtype == autocast_dtype and tuple(sorted(t.shape)) in param_shapes:
@@ -82,20 +80,16 @@ def profile_activations(model, blocks, inputs=(), kwargs=None, *, autocast_dtype
     for i, block in enumerate(blocks):
         handles.append(block.register_forward_pre_hook(pre_hook(i), with_kwargs=True))
         handles.append(block.register_forward_hook(post_hook))
-    was_training = model.training
-    model.train()
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             result = model(*inputs, **(kwargs or {}))
         for t in iter_tensors(result):  # returned but not saved: the logits
-            key = t.untyped_storage()._cdata
-            if key not in seen and key not in param_keys:
-                seen[key] = t
+            if storage_key(t) not in seen and storage_key(t) not in param_keys:
+                seen[storage_key(t)] = t
                 out["output"] += t.untyped_storage().nbytes()
     finally:
         for h in handles:
             h.remove()
-        model.train(was_training)
     out["largest"] = [max(sizes, default=0) for sizes in out["sizes"]]
     return out
 
@@ -150,17 +144,13 @@ def measure_acts(build, *, transformer: bool, fake: bool = True, kinds=KINDS, pr
 
     from .. import models
 
-    allowed = ("cpu", "cuda-math", "cuda-fused") if transformer else ("cpu", "cuda")
-    for pricing in pricings or ():
-        if pricing not in allowed:
-            raise ValueError(f"pricing {pricing!r} does not apply here; choose from {allowed}.")
-        if pricing != "cpu" and not fake:
-            raise ValueError(f"pricing {pricing!r} runs on fake CUDA tensors: pass fake=True.")
-    for kind in kinds:
-        if kind not in KINDS:
-            raise ValueError(f"Unknown kind {kind!r}; choose from {KINDS}.")
+    allowed = (("cpu", "cuda-math", "cuda-fused") if transformer else ("cpu", "cuda")) if fake else ("cpu",)
+    pricings = pricings or allowed
+    if not set(pricings) <= set(allowed) or not set(kinds) <= set(KINDS):
+        raise ValueError(f"Choose kinds from {KINDS} and pricings from {allowed}, not {kinds} and {pricings} (the CUDA "
+                         "pricings run on fake CUDA tensors: pass fake=True).")
     acts: dict = {}
-    for pricing in pricings or (allowed if fake else ("cpu",)):
+    for pricing in pricings:
         device = "cpu" if pricing == "cpu" else "cuda"
         acts[pricing] = {}
         for kind in kinds:
@@ -225,9 +215,7 @@ def gpt2_spec(size: str = "gpt2", *, kinds=KINDS, fake: bool = True, pricings=No
     ValueError. ``fake=False`` runs real tensors (faster for tiny models; the CPU's pricing only)."""
     from .. import models
 
-    if not isinstance(size, str) or size not in models.GPT2_SIZES:
-        raise ValueError(f"Unknown GPT-2 size {size!r}; choose one of {list(models.GPT2_SIZES)}.")
-    models.gpt2_config(size, **overrides)  # checks the overrides
+    models.gpt2_config(size, **overrides)  # checks the size and the overrides
     label = size + "".join(f", {k}={v}" for k, v in overrides.items())
     return spec_from_data(label, gpt2_data(size, kinds=kinds, fake=fake, pricings=pricings, **overrides))
 

@@ -85,12 +85,10 @@ class Settings:
     fused_update: bool = False
     lora_rank: int | None = None  # None: every weight trains
     stream_weights: bool = False
-    cpu_optimizer: str | None = None  # a key of CPU_STEP_REFERENCE; None: fused AdamW, or bitsandbytes' for adam8bit
 
     @property
     def cpu_step_optimizer(self) -> str:
-        if self.cpu_optimizer:
-            return self.cpu_optimizer
+        """The optimizer that steps on the CPU (``master_on_cpu``): bitsandbytes' for 8-bit Adam, else fused AdamW."""
         return "bnb_adam8bit" if self.optimizer == "adam8bit" else "adamw_fused"
 
     def techniques(self, base: "Settings | None" = None) -> list[str]:
@@ -108,17 +106,11 @@ class Settings:
             out.append(f"pure {self.precision} {kept}" + (" on CPU" if self.master_on_cpu else ""))
         elif self.master_on_cpu:
             out.append("optimizer on CPU")
-        if self.optimizer == "adam8bit":
-            out.append("8-bit Adam")
-        if self.stream_grads:
-            out.append("stream gradients to CPU")
-        for flag, name in ((self.stream_weights, "stream weights from CPU"), (self.chunked_loss, "chunked loss"),
-                           (self.offload_activations, "offload activations"),
-                           (self.fused_update, "update fused into backward"),
-                           (self.lora_rank, f"LoRA adapters (rank {self.lora_rank})")):
-            if flag:
-                out.append(name)
-        return out
+        flags = {"8-bit Adam": self.optimizer == "adam8bit", "stream gradients to CPU": self.stream_grads,
+                 "stream weights from CPU": self.stream_weights, "chunked loss": self.chunked_loss,
+                 "offload activations": self.offload_activations, "update fused into backward": self.fused_update,
+                 f"LoRA adapters (rank {self.lora_rank})": self.lora_rank}
+        return out + [name for name, on in flags.items() if on]
 
 
 def cpu_step_ns(cpu_optimizer: str) -> tuple[float, str]:
@@ -174,17 +166,14 @@ class Plan:
     def techniques(self) -> list[str]:
         return self.settings.techniques()
 
-    def verdict(self) -> str:
-        """One line: the total the card needs against its memory, and whether it fits."""
-        return (f"{self.model.name} on {self.gpu.name}: {self.peak_bytes / GIB:.2f} GiB of "
-                f"{self.gpu.memory_gib:.1f} GiB -> {'fits' if self.fits else 'does NOT fit'}")
-
     def summary(self) -> str:
+        """The total the card needs against its memory, whether it fits, and the categories."""
         s = self.settings
-        lines = [f"{self.verdict()} (micro-batch {s.micro_batch} x {s.accumulation} accumulation steps, {s.precision}, "
-                 f"{s.optimizer}, checkpointing {s.checkpointing}; peak {self.phase})"]
-        for k, v in self.by_category.items():
-            lines.append(f"  {k:<12}{v / GIB:8.2f} GiB")
+        lines = [f"{self.model.name} on {self.gpu.name}: {self.peak_bytes / GIB:.2f} GiB of {self.gpu.memory_gib:.1f} "
+                 f"GiB -> {'fits' if self.fits else 'does NOT fit'} (micro-batch {s.micro_batch} x {s.accumulation} "
+                 f"accumulation steps, {s.precision}, {s.optimizer}, checkpointing {s.checkpointing}; "
+                 f"peak {self.phase})"]
+        lines += [f"  {k:<12}{v / GIB:8.2f} GiB" for k, v in self.by_category.items()]
         lines.append(f"  predicted time per optimizer step: {self.step_seconds:.2f} s")
         return "\n".join(lines + [f"  note: {n}" for n in self.notes])
 
@@ -204,7 +193,7 @@ def _choice(value, what: str, options) -> str:
 def make_settings(model: ModelSpec, *, micro_batch, size=None, accumulation=1, checkpointing="none",
                   precision="fp32", optimizer="adam", master_on_cpu=False, stream_grads=False, attention=None,
                   keep_outputs=True, device="cuda", offload_activations=False, chunked_loss=False,
-                  fused_update=False, lora_rank=None, stream_weights=False, cpu_optimizer=None) -> Settings:
+                  fused_update=False, lora_rank=None, stream_weights=False) -> Settings:
     """Check and normalize the knobs; raises ValueError/TypeError saying what to change. ``attention=None``: 'fused'
     on CUDA, 'math' on a CPU (which trains attention with dropout on the math path: 'fused' is refused there)."""
     micro_batch = positive_int(micro_batch, "micro_batch", "e.g. 8", whole_floats=True)
@@ -246,15 +235,6 @@ def make_settings(model: ModelSpec, *, micro_batch, size=None, accumulation=1, c
         raise ValueError("With LoRA only the small adapters train and their optimizer stays on the GPU: set "
                          "master_on_cpu=False (and stream_grads, stream_weights False), or lora_rank=None.")
     optimizer = normalize_optimizer(optimizer)
-    if cpu_optimizer is not None:
-        if cpu_optimizer not in CPU_STEP_REFERENCE:
-            raise ValueError(f"Unknown cpu_optimizer {cpu_optimizer!r}; choose one of {list(CPU_STEP_REFERENCE)}.")
-        if not master_on_cpu:
-            raise ValueError("cpu_optimizer names the optimizer on the CPU: turn on master_on_cpu=True, or leave "
-                             "cpu_optimizer=None.")
-        if ("8bit" in cpu_optimizer) != (optimizer == "adam8bit"):
-            raise ValueError(f"cpu_optimizer={cpu_optimizer!r} keeps {'8-bit' if '8bit' in cpu_optimizer else 'fp32'} "
-                             f"state but optimizer={optimizer!r}: choose a CPU optimizer with the same state.")
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device must be 'cuda' or 'cpu', not {device!r}.")
     if attention is None:
@@ -267,7 +247,7 @@ def make_settings(model: ModelSpec, *, micro_batch, size=None, accumulation=1, c
                     checkpointing=_choice(checkpointing, "checkpointing", CHECKPOINTING),
                     precision=_choice(precision, "precision", PRECISIONS),
                     optimizer=optimizer, attention=attention, device=device, lora_rank=lora_rank,
-                    cpu_optimizer=cpu_optimizer, **flags)
+                    **flags)
 
 
 def _units(model: ModelSpec, size: int) -> float:
@@ -290,7 +270,7 @@ def predict(model, gpu="RTX 3060 (12 GB)", **settings) -> Plan:
     'math'; ``keep_outputs=False``: the loop drops the outputs before backward (``loss = model(...).loss``), freeing the
     logits; ``device='cpu'``: a CPU run (no overhead, the CPU's kernels, per-tensor Adam scratch), as the validation
     against ``measure_memory`` predicts; notebooks 08-09's toggles: ``offload_activations``, ``chunked_loss``,
-    ``fused_update``, ``lora_rank``, ``stream_weights`` (and ``cpu_optimizer`` with ``master_on_cpu``).
+    ``fused_update``, ``lora_rank``, ``stream_weights``.
     """
     model = get_model(model)
     return predict_settings(model, get_gpu(gpu), make_settings(model, **settings))
@@ -367,7 +347,7 @@ def predict_settings(model: ModelSpec, gpu: GPUSpec, s: Settings) -> Plan:
     phases = {"at the start of backward": dict(grads=grads_before, activations=stem + a["head"] + sum(kept),
                                                other=a["loss"] + weight_copies)}
     done_grads = g_head if not s.stream_grads else 0
-    best = dict(grads=0, activations=0, other=0)
+    candidates = []
     for seg in reversed(a["segments"]):  # block by block, last to first
         alive_before = sum(kept[:seg[0]])
         for i in reversed(seg):
@@ -382,12 +362,10 @@ def predict_settings(model: ModelSpec, gpu: GPUSpec, s: Settings) -> Plan:
             else:  # offloaded: only this block's saved tensors come back
                 live_acts = stem + (a["block"][i] if off else sum(a["block"][: i + 1]))
             other = 2 * a["largest"][i] + weight_copies + (per_tensor_scratch * g_one[i] / gw if s.fused_update else 0)
-            cand = dict(grads=g_now, activations=live_acts, other=other)
-            if sum(cand.values()) > sum(best.values()):
-                best = cand
+            candidates.append(dict(grads=g_now, activations=live_acts, other=other))
             if not s.stream_grads:
                 done_grads += grads_of[i]
-    phases["in backward"] = best
+    phases["in backward"] = max(candidates, key=lambda c: sum(c.values()))
     if s.fused_update:  # the largest tensor steps last (GPT-2's tied embedding) or in its block
         biggest = max(tied // w if tied else 0, max(g_one) // gw)
         phases["stepping the largest tensor"] = dict(grads=biggest * gw, activations=stem,

@@ -49,8 +49,7 @@ def candidate_settings(base: Settings, gpu: GPUSpec, model):
     for p in (("bf16_amp", "bf16") if gpu.bf16 else ("fp16_amp", "fp16")):
         if base.precision == "fp32" or (base.precision.endswith("_amp") and p in ("fp16", "bf16")):
             precisions.append(p)
-    optimizers = [base.optimizer] + (["adam8bit"] if base.optimizer in ("adam", "adamw") and not base.cpu_optimizer
-                                     else [])
+    optimizers = [base.optimizer] + (["adam8bit"] if base.optimizer in ("adam", "adamw") else [])
     ckpts = [base.checkpointing] if base.checkpointing != "none" else list(CHECKPOINTING)
     offloads = [(base.master_on_cpu, base.stream_grads)] + [
         o for o in ((True, False), (True, True)) if o != (base.master_on_cpu, base.stream_grads) and
@@ -60,7 +59,7 @@ def candidate_settings(base: Settings, gpu: GPUSpec, model):
             splits, precisions, optimizers, ckpts, offloads, {base.offload_activations, True}, chunked,
             {base.fused_update, True}, {base.stream_weights, True}):
         acc = base.accumulation * f
-        if (fu and (acc > 1 or m)) or (sw and not m) or (base.cpu_optimizer and not m):
+        if (fu and (acc > 1 or m)) or (sw and not m):
             continue  # combinations make_settings refuses
         yield replace(base, micro_batch=base.micro_batch // f, accumulation=acc, precision=p, optimizer=o,
                       checkpointing=c, master_on_cpu=m, stream_grads=st, offload_activations=off, chunked_loss=ch,
