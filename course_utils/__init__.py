@@ -27,12 +27,9 @@ def setup(notebook: str, *, seed: int = 0) -> str:
     the course profile ('smoke' or 'full')."""
     results.set_notebook(notebook)
     seed_everything(seed)
-    try:
-        import seaborn as sns
+    import seaborn as sns
 
-        sns.set_theme(style="whitegrid", context="notebook")
-    except ImportError:  # pragma: no cover - seaborn is in requirements
-        pass
+    sns.set_theme(style="whitegrid", context="notebook")
     print(hardware.banner())
     if hardware.in_colab() and hardware.device_type() != "cuda":
         print("[course] No GPU attached. On Colab: Runtime > Change runtime type > T4 GPU, then re-run. "

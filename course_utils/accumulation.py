@@ -1,5 +1,5 @@
 """Gradient accumulation helpers (notebook 02): compare gradients, a small CNN, micro-batches, the
-micro-batch-size sweep. The loops and the GroupNorm converter are written in the notebook."""
+micro-batch-size sweep. The loops, the GroupNorm converter and the sweep's plot are written in the notebook."""
 from __future__ import annotations
 
 import gc
@@ -125,26 +125,3 @@ def sweep_micro_batch_sizes(model: nn.Module, optimizer: torch.optim.Optimizer,
         rows.append({**row, "peak_bytes": int(report.peak_bytes), "peak_MiB": report.peak_bytes / MIB,
                      "seconds_per_sample": seconds / m, **{f"{c}_MiB": v / MIB for c, v in report.by_category.items()}})
     return pd.DataFrame(rows)
-
-
-def plot_tradeoff(df, *, title: str = ""):
-    """Two panels from :func:`sweep_micro_batch_sizes`: peak memory and time per sample vs micro-batch size."""
-    import matplotlib.pyplot as plt
-    import seaborn as sns
-
-    needed = {"micro_batch", "peak_MiB", "seconds_per_sample"}
-    if not hasattr(df, "columns") or not needed <= set(df.columns):
-        raise ValueError(f"plot_tradeoff needs the DataFrame of sweep_micro_batch_sizes (columns {sorted(needed)}).")
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
-    ms = df.assign(ms_per_sample=df["seconds_per_sample"] * 1000)
-    for ax, y, ylabel, panel, color in ((axes[0], "peak_MiB", "peak memory (MiB)", "memory", "C0"),
-                                        (axes[1], "ms_per_sample", "ms per sample", "time", "C1")):
-        sns.lineplot(data=ms, x="micro_batch", y=y, marker="o", ax=ax, color=color)
-        ax.set(xscale="log", xlabel="micro-batch size", ylabel=ylabel, title=panel)
-        ax.set_ylim(bottom=0)
-        ax.set_xticks(list(df["micro_batch"]), [str(v) for v in df["micro_batch"]])
-        ax.minorticks_off()
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    return fig

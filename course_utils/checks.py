@@ -89,10 +89,9 @@ def _fmt(value) -> str:
 _predictions: list[str] = []
 
 
-def compare_prediction(name: str, predicted, measured, *, unit: str = "", why_off: str = "",
-                       close_enough: float = 0.25) -> float:
+def compare_prediction(name: str, predicted, measured, *, unit: str = "", why_off: str = "") -> float:
     """Print the learner's prediction beside the measurement and how far off it was (``why_off`` when off by more
-    than ``close_enough``); returns the relative error and counts towards :func:`prediction_count`."""
+    than 25%); returns the relative error and counts towards :func:`prediction_count`."""
     if not isinstance(name, str) or not name:
         raise ValueError("name must say what was predicted, e.g. 'peak memory of one step'.")
     if predicted is None or predicted is Ellipsis:
@@ -104,7 +103,7 @@ def compare_prediction(name: str, predicted, measured, *, unit: str = "", why_of
     error, suffix = (predicted - measured) / max(abs(measured), 1e-30), f" {unit}" if unit else ""
     verdict = "spot on" if abs(error) < 0.02 else f"{abs(error):.0%} {'too high' if error > 0 else 'too low'}"
     print(f"Prediction ({name}): {_fmt(predicted)}{suffix} | measured: {_fmt(measured)}{suffix} | {verdict}")
-    if abs(error) > close_enough and why_off:
+    if abs(error) > 0.25 and why_off:
         print(f"  The usual reason for a miss: {why_off}")
     if name not in _predictions:
         _predictions.append(name)

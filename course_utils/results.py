@@ -30,11 +30,10 @@ def _check_name(name, what: str) -> str:
 def record(name: str, value, unit: str, *, notebook: str | None = None) -> dict:
     """Append one headline figure to ``results/<notebook>.json`` and return its entry."""
     _check_name(name, "figure name")
-    notebook = notebook or _current_notebook
+    notebook = _check_name(notebook, "notebook name") if notebook is not None else _current_notebook
     if notebook is None:
         raise ValueError("record() does not know which notebook this is: call course_utils.setup('NN_topic') "
                          "in the notebook's first cell, or pass notebook='NN_topic'.")
-    _check_name(notebook, "notebook name")
     if not isinstance(unit, str):
         raise TypeError(f"unit must be a string such as 'GiB', 'bytes' or 'ratio', not {type(unit).__name__}.")
     if hasattr(value, "item") and callable(value.item):  # numpy or torch scalar

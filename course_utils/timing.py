@@ -31,7 +31,6 @@ def time_fns(fns: dict, *, rounds: int = 3, min_run_time: float = 0.2, **kwargs)
     for label, fn in fns.items():
         callable_arg(fn, f"fns[{label!r}]")
     positive_int(rounds, "rounds", "e.g. 3")
-    positive_number(min_run_time, "min_run_time", "seconds, e.g. 0.2")
     turns: dict = {label: [] for label in fns}
     for round_index in range(rounds):
         for label, fn in fns.items():

@@ -55,12 +55,6 @@ class VersionCheck:
     tested: str
     status: str
 
-    def __str__(self) -> str:
-        line = f"{self.package:<14}{self.installed or '-':<18}{self.tested or '-':<22}{self.status}"
-        if self.status == "outside":
-            line += f"  <- OUTSIDE the tested range: the notebooks may fail; pip install '{self.package}{self.tested}'"
-        return line
-
 
 def check_versions(packages=PACKAGES, *, ranges: dict | None = None) -> list:
     """A :class:`VersionCheck` per package; ``ranges`` defaults to :func:`declared_ranges`."""
@@ -86,7 +80,11 @@ def version_report(packages=PACKAGES, *, ranges: dict | None = None) -> str:
         checks = check_versions(packages, ranges=ranges)
     except ValueError as err:
         return f"Version check skipped: {err}"
-    lines = [f"{'package':<14}{'installed':<18}{'tested range':<22}status"] + [str(c) for c in checks]
+    lines = [f"{'package':<14}{'installed':<18}{'tested range':<22}status"]
+    for c in checks:
+        lines.append(f"{c.package:<14}{c.installed or '-':<18}{c.tested or '-':<22}{c.status}" + (
+            f"  <- OUTSIDE the tested range: the notebooks may fail; pip install '{c.package}{c.tested}'"
+            if c.status == "outside" else ""))
     outside = [c.package for c in checks if c.status == "outside"]
     lines.append(f"WARNING: {', '.join(outside)} outside the tested range: results may differ or cells may fail."
                  if outside else "Every installed package with a declared range is inside it.")

@@ -197,16 +197,3 @@ def test_sweep_bad_input():
         acc.sweep_micro_batch_sizes(model, opt, micro_step, optimizer_step, x, y[:3], [4])
     with pytest.raises(ValueError, match="min_run_time"):
         acc.sweep_micro_batch_sizes(model, opt, micro_step, optimizer_step, x, y, [4], min_run_time=0)
-
-
-def test_plot_tradeoff():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import pandas as pd
-
-    df = pd.DataFrame({"micro_batch": [64, 16], "peak_MiB": [10.0, 4.0], "seconds_per_sample": [0.001, 0.002]})
-    fig = acc.plot_tradeoff(df, title="t")
-    assert len(fig.axes) == 2
-    with pytest.raises(ValueError, match="columns"):
-        acc.plot_tradeoff(pd.DataFrame({"x": [1]}))
