@@ -342,7 +342,6 @@ def _bytes(text: str) -> int:
 class OomMessage:
     """The numbers of one out-of-memory message, in bytes; None where the message does not give one."""
 
-    text: str
     tried: int
     total: int
     free: int
@@ -381,7 +380,7 @@ def parse_oom(text: str) -> OomMessage:
         raise ValueError(f"Could not find {', '.join(missing) or 'the reserved memory'} in this message: paste the "
                          "whole message, from 'CUDA out of memory' to its end.")
     gpu = re.search(r"GPU (\d+)", text)
-    return OomMessage(text=text, tried=found["tried"], total=found["total"], free=found["free"],
+    return OomMessage(tried=found["tried"], total=found["total"], free=found["free"],
                       allocated=found["allocated"], reserved=found.get("reserved", found["allocated"] + found.get("unallocated", 0)),
                       gpu=int(gpu.group(1)) if gpu else 0, this_process=found.get("this_process"), allowed=found.get("allowed"))
 
@@ -390,18 +389,3 @@ def real_oom_messages() -> list[tuple[str, str]]:
     """The real out-of-memory messages shipped with the course: (diagnosis, message text) pairs."""
     chunks = re.split(r"^== ", data_file("oom_messages.txt").read_text(encoding="utf-8"), flags=re.M)[1:]
     return [(label.strip(), " ".join(body.split())) for label, _, body in (c.partition("\n") for c in chunks)]
-
-
-DIAGNOSES = ("fragmentation", "smaller peak", "another process")
-
-
-def check_oom_diagnosis(diagnose) -> bool:
-    """Exercise checker: ``diagnose(OomMessage)`` must give each shipped message's diagnosis (one of DIAGNOSES)."""
-    if not callable(diagnose):
-        raise TypeError(f"Pass your function diagnose(message), not {type(diagnose).__name__}.")
-    labelled = [(label, text) for label, text in real_oom_messages() if label in DIAGNOSES]
-    wrong = [f"  said {answer!r}, expected {label!r}: {text[:110]}..." for label, text in labelled
-             if (answer := diagnose(parse_oom(text))) != label]
-    print(f"✗ {len(wrong)} message(s) diagnosed wrongly:\n" + "\n".join(wrong) if wrong
-          else f"✓ all {len(labelled)} messages diagnosed correctly.")
-    return not wrong
