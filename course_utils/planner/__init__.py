@@ -1,11 +1,10 @@
 """Will it fit, and what should I turn on? A GPU memory planner for training.
 
-``predict(model, gpu, micro_batch=..., ...)`` predicts the peak GPU memory of one training step by category and says
-whether it fits; ``cheapest_fit(...)`` returns the set of the course's techniques that fits at the lowest predicted time
-per optimizer step, with the notebook that teaches each. By concern: ``presets.json`` (the data: GPUs and models'
-measured coefficients), :mod:`.specs` (GPUs and models: presets or your own), :mod:`.measure` (how coefficients are
-measured), :mod:`.model` (the memory and time models), :mod:`.search` (the cheapest set), :mod:`.widget` (tables,
-charts and notebook 00's interactive planner).
+``predict(model, gpu, micro_batch=..., ...)`` predicts one training step's peak GPU memory by category and whether it
+fits; ``cheapest_fit(...)`` picks the course's techniques that fit at the lowest predicted time per step, with the
+notebook that teaches each. The data (GPUs, models' measured coefficients) is ``presets.json``; :mod:`.specs` reads it,
+:mod:`.measure` measures coefficients, :mod:`.model` holds the memory and time models, :mod:`.search` the search and
+:mod:`.widget` notebook 00's tables, charts and interactive planner.
 """
 from .measure import gpt2_spec, measure_on_cpu, small_cnn
 from .model import CATEGORIES, CPU_STEP_REFERENCE, cpu_step_ns, lora_params, make_settings, predict, step_seconds

@@ -1,27 +1,27 @@
 """How the planner's activation coefficients are measured: for a GPT-2 of your own shape now (:func:`gpt2_spec`), and
 for the presets in ``presets.json`` (``course_tools/measure_presets.py`` runs the same functions).
 
-A forward pass runs with saved-tensor hooks (``torch.autograd.graph.saved_tensors_hooks``): every tensor autograd keeps
-for backward is counted once, by storage, and attributed to the block that was running. Transformers are measured with
-2 of their (identical) blocks at sequence lengths 64 and 128 and fitted as ``lin * T + quad * T**2`` per block; CNNs
-at their reference image size, block by block. Fake tensors (shapes, no memory) make GPT-2-XL's blocks cost nothing.
-
-Each model is measured for each ``pricing``, i.e. whose kernels run:
-
-- ``'cpu'``: the CPU's kernels: math attention (transformers' 'eager'), dropout masks in the activations' dtype, CPU
-  autocast (bf16) for the 'amp' kind.
-- ``'cuda-math'``, ``'cuda-fused'`` (transformers) and ``'cuda'`` (the rest): fake CUDA tensors. A forward pass on fake
-  CUDA tensors runs without a GPU, with CUDA's own dropout (a bool mask) and, for the 'amp' kind, CUDA's autocast rules
-  in fp16 (switched on directly: ``torch.autocast('cuda')`` turns itself off without a GPU); bf16 autocast keeps the
-  same byte widths. Fused attention runs the kernel op a GPU picks (``course_utils.models.as_on_cuda``): flash
-  attention for fp16/bf16, the memory-efficient kernel for fp32. So every CUDA figure is measured, none derived by hand.
+A forward pass runs with saved-tensor hooks: every tensor autograd keeps for backward is counted once, by storage, and
+attributed to the block that was running. Transformers are measured with 2 of their (identical) blocks at 64 and 128
+tokens and fitted as ``lin * T + quad * T**2`` per block; CNNs at their reference image size, block by block. Fake
+tensors (shapes, no memory) make GPT-2-XL's blocks cost nothing. Each ``pricing`` says whose kernels run: ``'cpu'``
+(math attention, dropout masks in the activations' dtype, bf16 autocast for the 'amp' kind), or fake CUDA tensors for
+``'cuda-math'``, ``'cuda-fused'`` (transformers) and ``'cuda'`` (the rest). These run without a GPU, with CUDA's
+dropout (a bool mask), CUDA's fp16 autocast rules for 'amp' (switched on directly: ``torch.autocast('cuda')`` turns
+itself off without a GPU; bf16 keeps the same byte widths) and the attention kernel a GPU picks
+(``models.as_on_cuda``: flash for fp16/bf16, memory-efficient for fp32). So every CUDA figure is measured.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
 
-from ..memory import iter_tensors, storage_key
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import models
+from ..memory import iter_tensors, measure_memory, storage_key
 from ..validation import positive_int
 from .specs import ModelSpec, spec_from_data
 
@@ -38,8 +38,6 @@ def profile_activations(model, blocks, inputs=(), kwargs=None, *, autocast_dtype
     the dtype of an autocast already switched on around this call), the half copies of the weights it saves are left
     out too: the planner counts them apart.
     """
-    import torch
-
     blocks = list(blocks)
     params = list(model.parameters())
     param_keys = {storage_key(p) for p in params}
@@ -97,8 +95,6 @@ def profile_activations(model, blocks, inputs=(), kwargs=None, *, autocast_dtype
 @contextlib.contextmanager
 def _cuda_autocast(dtype):
     """CUDA's autocast rules for (fake) CUDA tensors, with or without a GPU."""
-    import torch
-
     enabled, old = torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")
     torch.set_autocast_enabled("cuda", True)
     torch.set_autocast_dtype("cuda", dtype)
@@ -140,10 +136,6 @@ def measure_acts(build, *, transformer: bool, fake: bool = True, kinds=KINDS, pr
     """``acts[pricing][kind]`` (see the module docstring) of a model, measured now. ``build(kind, attention)`` returns
     (model, blocks, make_inputs(u)); it runs inside each pricing's device (and fake mode with ``fake``). ``pricings``:
     by default every one the model has (``fake=False`` measures 'cpu' only)."""
-    import torch
-
-    from .. import models
-
     allowed = (("cpu", "cuda-math", "cuda-fused") if transformer else ("cpu", "cuda")) if fake else ("cpu",)
     pricings = pricings or allowed
     if not set(pricings) <= set(allowed) or not set(kinds) <= set(KINDS):
@@ -183,10 +175,6 @@ def transformer_data(model, blocks, n_layer: int, acts: dict, **sizes) -> dict:
 def _build_gpt2(size: str, overrides: dict, kind: str, attention: str):
     """GPT-2 ``size`` (2 blocks: they are identical) as :func:`measure_acts` builds it. It trains without a KV cache
     (``use_cache=False``, as checkpointing forces anyway)."""
-    import torch
-
-    from .. import models
-
     model = models.build_gpt2(size, dtype=torch.float16 if kind == "half" else torch.float32, attention=attention,
                               **{"use_cache": False, **overrides, "n_layer": 2})
 
@@ -198,8 +186,6 @@ def _build_gpt2(size: str, overrides: dict, kind: str, attention: str):
 
 def gpt2_data(size: str, *, kinds=KINDS, fake: bool = True, pricings=None, **overrides) -> dict:
     """``presets.json``'s entry for GPT-2 ``size``, measured now; ``overrides`` change its config (n_layer=2, ...)."""
-    from .. import models
-
     build = functools.partial(_build_gpt2, size, overrides)
     acts = measure_acts(build, transformer=True, fake=fake, kinds=kinds, pricings=pricings)
     with models.fake_mode():
@@ -213,8 +199,6 @@ def gpt2_spec(size: str = "gpt2", *, kinds=KINDS, fake: bool = True, pricings=No
     """A GPT-2 of your own shape (``gpt2_spec(n_layer=2, n_embd=128, n_head=4)``), measured now with fake tensors (a
     few seconds). ``kinds`` and ``pricings``: what to measure (fewer = faster); planning for another then raises
     ValueError. ``fake=False`` runs real tensors (faster for tiny models; the CPU's pricing only)."""
-    from .. import models
-
     models.gpt2_config(size, **overrides)  # checks the size and the overrides
     label = size + "".join(f", {k}={v}" for k, v in overrides.items())
     return spec_from_data(label, gpt2_data(size, kinds=kinds, fake=fake, pricings=pricings, **overrides))
@@ -222,8 +206,6 @@ def gpt2_spec(size: str = "gpt2", *, kinds=KINDS, fake: bool = True, pricings=No
 
 def small_cnn():
     """The course's small CNN for 28x28 digits: two conv blocks, a hidden linear layer, a classifier."""
-    from torch import nn
-
     return nn.Sequential(
         nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
         nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
@@ -234,21 +216,15 @@ def small_cnn():
 def measure_on_cpu(model, *, micro_batch: int, size=None, gpt2_overrides=None):
     """Train two real fp32 steps with Adam on the CPU; returns ``memory.measure_memory``'s report of the second.
 
-    ``model``: 'mlp' or 'small-cnn' (``size``: the image side, 28 by default), or a GPT-2 size with ``gpt2_overrides``
-    that keep it small (``size``: tokens, 64 by default; math attention, no KV cache, as the planner's 'cpu' pricing).
+    ``model``: 'mlp' or 'small-cnn' (28 x 28 images), or a GPT-2 size with ``gpt2_overrides`` that keep it small
+    (``size``: tokens, 64 by default; math attention, no KV cache, as the planner's 'cpu' pricing).
     """
-    import torch
-    import torch.nn.functional as F
-
-    from .. import memory, models
-
     micro_batch = positive_int(micro_batch, "micro_batch", "e.g. 8", whole_floats=True)
     if model in ("mlp", "small-cnn"):
         net = models.mlp() if model == "mlp" else small_cnn()
-        side = positive_int(size or 28, "image size", "e.g. 28", whole_floats=True)
 
         def forward():  # what the usual loop holds until the step ends (the batch, the outputs), and the loss
-            x, y = torch.randn(micro_batch, 1, side, side), torch.zeros(micro_batch, dtype=torch.long)
+            x, y = torch.randn(micro_batch, 1, 28, 28), torch.zeros(micro_batch, dtype=torch.long)
             return (x, y), F.cross_entropy(net(x), y)
     elif model in models.GPT2_SIZES and gpt2_overrides:
         net = models.build_gpt2(model, attention="math", use_cache=False, **gpt2_overrides)
@@ -270,4 +246,4 @@ def measure_on_cpu(model, *, micro_batch: int, size=None, gpt2_overrides=None):
         opt.zero_grad(set_to_none=True)
 
     step()  # the optimizer's state exists from the first step on
-    return memory.measure_memory(step, model=net, optimizer=opt)
+    return measure_memory(step, model=net, optimizer=opt)

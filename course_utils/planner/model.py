@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from ..estimate import normalize_optimizer, optimizer_state_bytes
 from ..hardware import gpu_bytes_needed
 from ..memory import CATEGORIES as MEMORY_CATEGORIES
+from ..results import load_notebook
 from ..units import GIB
 from ..validation import positive_int
 from .specs import GPUSpec, ModelSpec, get_gpu, get_model, presets
@@ -118,8 +119,6 @@ def cpu_step_ns(cpu_optimizer: str) -> tuple[float, str]:
     recorded it (results under the course home), else the reference figure."""
     if cpu_optimizer not in CPU_STEP_REFERENCE:
         raise ValueError(f"Unknown CPU optimizer {cpu_optimizer!r}; choose one of {list(CPU_STEP_REFERENCE)}.")
-    from ..results import load_notebook
-
     try:
         entry = load_notebook(CPU_STEP_NOTEBOOK).get(presets()["cpu_step"][cpu_optimizer]["recorded_as"]) or {}
     except (OSError, ValueError):
@@ -181,13 +180,9 @@ class Plan:
 
 
 def _choice(value, what: str, options) -> str:
-    if not isinstance(value, str):
-        raise TypeError(f"{what} must be one of {options}, not {type(value).__name__}.")
-    key = value.lower().replace(" ", "_").replace("-", "_")
-    key = presets()["aliases"][what].get(key, key)
-    if key not in options:
+    if value not in options:
         raise ValueError(f"Unknown {what} {value!r}; choose one of {options}.")
-    return key
+    return value
 
 
 def make_settings(model: ModelSpec, *, micro_batch, size=None, accumulation=1, checkpointing="none",
@@ -401,10 +396,7 @@ def step_seconds(model: ModelSpec, gpu: GPUSpec, s: Settings) -> float:
     """The planner's time-cost model: predicted seconds per optimizer step (see the module docstring)."""
     samples = s.micro_batch * s.accumulation
     u = _units(model, s.size)
-    if model.unit == "token":
-        flops = 6.0 * model.n_params * u * samples
-    else:
-        flops = 3.0 * model.fwd_flops_per_unit * u * samples
+    flops = (6.0 * model.n_params if model.unit == "token" else 3.0 * model.fwd_flops_per_unit) * u * samples
     # of 6 FLOPs per parameter and token: forward 2, input gradients 2, weight gradients 2 (none with LoRA);
     # checkpointing adds a forward (2)
     flops *= (6 - 2 * (s.lora_rank is not None) + 2 * (s.checkpointing != "none")) / 6
@@ -416,7 +408,7 @@ def step_seconds(model: ModelSpec, gpu: GPUSpec, s: Settings) -> float:
     else:
         tflops = gpu.half_tflops if half else gpu.fp32_tflops
     compute = flops / (tflops * 1e12 * MFU)
-    compute *= 1 + SMALL_BATCH_PENALTY * max(0.0, math.log2(max(1, s.accumulation)))
+    compute *= 1 + SMALL_BATCH_PENALTY * math.log2(s.accumulation)
     n = model.n_params
     w = 2 if s.precision in ("fp16", "bf16") else 4
     if s.master_on_cpu:
