@@ -1,14 +1,12 @@
 """The capstone's pieces that are not the lesson (notebook 06: GPT-2-XL fine-tuning inside a small GPU).
 
 The lesson (the two-copy step, the flat master copy, the gradient-streaming hook) is written in notebook 06's
-cells, after "How to fine tune VERY large model if it doesn't fit on your GPU". Here: the device copy's format;
-the 8-bit-state Adams that can step on this CPU (:func:`cpu_8bit_adams`); copy engines for the streaming hook
-(CUDA's and its CPU twin); the fake-tensor GPU peak and the micro-batch that fits a card; the exercise checker;
-atomic checkpoints that resume bit-for-bit; the offline corpus, tokenizers, batches, sampling; PCIe arithmetic.
+cells, after "How to fine tune VERY large model if it doesn't fit on your GPU"; the sections below hold what those
+cells use: the device copy's format, CPU optimizers, copy engines, the exercise checker, the fake-tensor GPU peak,
+PCIe arithmetic, checkpoints that resume bit-for-bit, and the offline corpus, tokenizers, batches and sampling.
 """
 from __future__ import annotations
 
-import json
 import os
 import random
 import warnings
@@ -16,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, NamedTuple
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -28,9 +27,7 @@ CORPUS_FILE = "course_corpus.txt"  # in course_utils/data_files/, made by script
 VARIANTS = ("recipe", "streamed")
 
 
-# ----------------------------------------------------------------------------------------------
-# which 16-bit format the device copy uses
-# ----------------------------------------------------------------------------------------------
+# ---- which 16-bit format the device copy uses ------------------------------------------------
 class Precision(NamedTuple):
     """The device copy's dtype, whether it needs loss scaling, and why (one sentence)."""
 
@@ -54,9 +51,7 @@ def device_precision(compute_capability) -> Precision:
                                           "dynamic loss scaling")
 
 
-# ----------------------------------------------------------------------------------------------
-# the CPU optimizer: the 8-bit-state Adams that can step here
-# ----------------------------------------------------------------------------------------------
+# ---- the CPU optimizer: the 8-bit-state Adams that can step here -----------------------------
 def cpu_compiles() -> tuple[bool, str]:
     """Whether ``torch.compile`` can build a CPU kernel here (it needs a C++ compiler): ``(works, why)``."""
     try:
@@ -93,9 +88,7 @@ def cpu_8bit_adams(*, compiles: bool | None = None) -> tuple[dict, str]:
                    f"{why}: only bitsandbytes' Adam8bit (eager, no compiler needed) can step here")
 
 
-# ----------------------------------------------------------------------------------------------
-# copy engines: device -> host copies that the streaming hook queues and drains
-# ----------------------------------------------------------------------------------------------
+# ---- copy engines: device -> host copies that the streaming hook queues and drains -----------
 class CudaCopyEngine:
     """Device -> pinned-host copies on a side CUDA stream (after the compute stream), one event per copy;
     ``record_stream`` keeps the allocator from handing the freed gradient's memory on too early."""
@@ -147,15 +140,12 @@ def copy_engine(device) -> CudaCopyEngine | CpuCopyEngine:
     return CudaCopyEngine(device) if torch.device(device).type == "cuda" else CpuCopyEngine()
 
 
-# ----------------------------------------------------------------------------------------------
-# the exercise checker: the two-copy step
-# ----------------------------------------------------------------------------------------------
+# ---- the exercise checker: the two-copy step -------------------------------------------------
 def check_two_copy_step(step_fn: Callable) -> bool:
-    """Check a learner's ``two_copy_step(device_params, master_params, optimizer, scale) -> bool`` on real
-    tensors (fp16 device copy, fp32 master with SGD, scale 2**10): finite gradients (one parameter without),
-    an inf gradient (nothing changes, False), gradients already on the master (streaming). Device gradients
-    must end as None, master gradients zero. Prints what went wrong; an unfilled stub's
-    ``NotImplementedError`` propagates (the notebook then says "fill in")."""
+    """Check a learner's ``two_copy_step(device_params, master_params, optimizer, scale) -> bool`` on real tensors
+    (fp16 device copy, fp32 master with SGD, scale 2**10): finite gradients (one parameter without), an inf gradient
+    (nothing changes, False), gradients already on the master (streaming); device gradients must end as None, master
+    gradients zero. Prints what went wrong; a stub's ``NotImplementedError`` propagates (the notebook: "fill in")."""
     callable_arg(step_fn, "step_fn", "your two_copy_step function itself")
     scale, lr, shapes, problems = 2.0**10, 0.5, [(3, 4), (5,), (2,)], []
     for label, seed, on_device, overflow in (("finite gradients", 1, True, False),
@@ -198,9 +188,7 @@ def check_two_copy_step(step_fn: Callable) -> bool:
     return not problems
 
 
-# ----------------------------------------------------------------------------------------------
-# the GPU peak, predicted with fake tensors, and the micro-batch that fits a card
-# ----------------------------------------------------------------------------------------------
+# ---- the GPU peak, predicted with fake tensors, and the micro-batch that fits a card ---------
 def largest_fitting_micro_batch(peak_for: Callable, budget_bytes: int, start: int):
     """Halve the micro-batch from ``start`` until one step fits a card of ``budget_bytes``.
 
@@ -226,10 +214,8 @@ def enable_checkpointing(model: nn.Module) -> None:
     """Gradient (activation) checkpointing on a transformers model, non-reentrant."""
     if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x's name
         model.activation_checkpointing_enable({"use_reentrant": False})
-    elif hasattr(model, "gradient_checkpointing_enable"):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     else:
-        raise TypeError(f"{type(model).__name__} has no gradient checkpointing switch; pass a transformers model.")
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
 
 
@@ -241,15 +227,10 @@ def fake_device() -> str:
 
 def predict_gpu_peak(config_or_name="gpt2-xl", *, variant: str = "recipe", micro_batch: int = 4,
                      seq_len: int = 1024, dtype: torch.dtype = torch.float16, attention: str = "fused", **overrides):
-    """The GPU peak of one micro-step (forward + backward) of the capstone, predicted with fake tensors.
-
-    GPT-2 under ``FakeTensorMode`` (shapes, no memory) in ``dtype``, checkpointed, measured with
-    :func:`course_utils.memory.measure_memory` on :func:`fake_device`. ``variant='recipe'``: every gradient stays
-    on the GPU until the step; ``'streamed'``: each leaves as soon as backward produced it. The CPU side is not
-    counted. Tensors are priced as CUDA keeps them (``models.as_on_cuda``; ``attention='fused'``: SDPA's
-    output + log-sum-exp, ``'math'``: written-out attention). GPT-2-XL: 10-20 s on 2 cores. Returns the
-    :class:`course_utils.memory.MemoryReport`.
-    """
+    """The :class:`~course_utils.memory.MemoryReport` of one checkpointed micro-step (forward + backward) of GPT-2
+    in ``dtype`` under ``FakeTensorMode`` on :func:`fake_device`, priced as CUDA keeps the tensors (``as_on_cuda``;
+    ``attention`` 'fused' or 'math'). ``variant='recipe'``: every gradient stays on the GPU until the step;
+    ``'streamed'``: each leaves once backward produced it. The CPU side is not counted. GPT-2-XL: 10-20 s on 2 cores."""
     from . import models
     from .memory import measure_memory
 
@@ -266,8 +247,9 @@ def predict_gpu_peak(config_or_name="gpt2-xl", *, variant: str = "recipe", micro
             model = models.build_gpt2(config, dtype=dtype, attention=attention)
         enable_checkpointing(model)
         model.train()
-        handles = ([p.register_post_accumulate_grad_hook(_free_grad) for p in model.parameters()]
-                   if variant == "streamed" else [])
+        if variant == "streamed":
+            for p in model.parameters():
+                p.register_post_accumulate_grad_hook(_free_grad)
 
         def micro_step():
             ids = torch.randint(0, config.vocab_size, (micro_batch, seq_len), device=device)
@@ -275,19 +257,14 @@ def predict_gpu_peak(config_or_name="gpt2-xl", *, variant: str = "recipe", micro
 
         with warnings.catch_warnings(), models.as_on_cuda():  # MemTracker warns about the hooks' `grad = None`
             warnings.filterwarnings("ignore", message="Expected a tensor or a traceable wrapper-subclass")
-            report = measure_memory(micro_step, model=model)
-    for handle in handles:
-        handle.remove()
-    return report
+            return measure_memory(micro_step, model=model)  # the fake model and its hooks go with this call
 
 
 def _free_grad(param: torch.Tensor) -> None:
     param.grad = None  # the streamed variant's device side: the gradient is gone once copied
 
 
-# ----------------------------------------------------------------------------------------------
-# PCIe arithmetic
-# ----------------------------------------------------------------------------------------------
+# ---- PCIe arithmetic -------------------------------------------------------------------------
 def pcie_bytes_per_step(n_params: int, *, variant: str = "recipe", accum_steps: int = 16, grad_bytes: int = 2) -> dict:
     """Bytes crossing PCIe per optimizer step: gradients device->host (the recipe once, the streamed
     variant every micro-batch's, ``accum_steps`` times), the new 16-bit weights host->device once."""
@@ -305,36 +282,19 @@ def transfer_seconds(n_bytes: int, gb_per_s: float) -> float:
     return n_bytes / (positive_number(gb_per_s, "gb_per_s") * 1e9)
 
 
-# ----------------------------------------------------------------------------------------------
-# checkpoints that survive a disconnect
-# ----------------------------------------------------------------------------------------------
-def rng_state() -> dict:
-    """Every random generator a training run draws from: Python, NumPy, torch CPU and CUDA."""
-    import numpy as np
-
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(), "cuda": cuda}
-
-
-def set_rng_state(state: dict) -> None:
-    import numpy as np
-
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
+# ---- checkpoints that survive a disconnect ---------------------------------------------------
 def save_checkpoint(path, trainer, *, step: int, data_position: int, extra: dict | None = None) -> Path:
-    """Write ``trainer.state_dict()`` + step + RNG + data position to ``path`` atomically (``path.tmp``, then
-    ``os.replace``: a session dying mid-write leaves the previous checkpoint whole), with ``trainer.variant``."""
+    """Write ``trainer.state_dict()``, step, data position and every RNG a run draws from (Python, NumPy, torch,
+    CUDA) to ``path`` atomically (``path.tmp``, then ``os.replace``: a session dying mid-write leaves the previous
+    checkpoint whole), with ``trainer.variant``."""
     positive_int(step, "step", allow_zero=True)
     positive_int(data_position, "data_position", allow_zero=True)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+           "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
     payload = {"trainer": trainer.state_dict(), "variant": getattr(trainer, "variant", None), "step": step,
-               "data_position": data_position, "rng": rng_state(), "extra": extra or {}}
+               "data_position": data_position, "rng": rng, "extra": extra or {}}
     tmp = path.with_name(path.name + ".tmp")
     torch.save(payload, tmp)
     os.replace(tmp, path)
@@ -342,11 +302,8 @@ def save_checkpoint(path, trainer, *, step: int, data_position: int, extra: dict
 
 
 def load_checkpoint(path, trainer) -> dict | None:
-    """Resume from ``path`` if it exists: ``trainer.load_state_dict(...)`` and the RNGs.
-
-    Returns ``{'step', 'data_position', 'extra'}``, or None when there is no checkpoint yet.
-    Only load checkpoints you wrote: the file holds pickled Python objects (RNG states).
-    """
+    """Resume from ``path`` if it exists (``trainer.load_state_dict`` and the RNGs): ``{'step', 'data_position',
+    'extra'}``, or None when there is no checkpoint yet. Only load checkpoints you wrote (they hold pickled objects)."""
     path = Path(path)
     if not path.exists():
         return None
@@ -357,42 +314,21 @@ def load_checkpoint(path, trainer) -> dict | None:
         raise ValueError(f"{path.name} was saved by the {payload['variant']!r} trainer, not "
                          f"{getattr(trainer, 'variant', None)!r}; use a separate checkpoint file per variant.")
     trainer.load_state_dict(payload["trainer"])
-    set_rng_state(payload["rng"])
+    rng = payload["rng"]
+    random.setstate(rng["python"])
+    np.random.set_state(rng["numpy"])
+    torch.set_rng_state(rng["torch"])
+    if rng["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
     return {"step": payload["step"], "data_position": payload["data_position"], "extra": payload["extra"]}
 
 
-# ----------------------------------------------------------------------------------------------
-# an offline corpus and tokenizer
-# ----------------------------------------------------------------------------------------------
-def course_corpus(notebooks_dir=None, *, min_chars: int = 2000) -> tuple[str, str]:
+# ---- an offline corpus and tokenizer ---------------------------------------------------------
+def course_corpus() -> tuple[str, str]:
     """``(text, source)`` that needs no download: the course notebooks' markdown prose, as shipped in the
-    package (``data_files/course_corpus.txt``, made by ``scripts/build_corpus.py``), or read from the
-    notebooks in ``notebooks_dir``."""
-    positive_int(min_chars, "min_chars")
-    if notebooks_dir is None:
-        shipped = paths.data_file(CORPUS_FILE).read_text(encoding="utf-8")
-        text = shipped.partition("\n\n")[2]  # the first paragraph is the credit line
-        source = f"the course notebooks' prose, shipped with the package, {len(text):,} characters"
-    else:
-        folder = Path(notebooks_dir)
-        if not folder.is_dir():
-            raise ValueError(f"No folder at {str(folder)!r}; pass notebooks_dir= a folder of .ipynb notebooks, "
-                             "or nothing to use the prose that ships with the package.")
-        parts = []
-        for nb in sorted(folder.glob("*.ipynb")):
-            try:
-                cells = json.loads(nb.read_text(encoding="utf-8")).get("cells", [])
-            except (json.JSONDecodeError, UnicodeDecodeError, OSError):
-                continue  # a notebook being written right now
-            prose = ["".join(c.get("source", "")) for c in cells if c.get("cell_type") == "markdown"]
-            if prose:
-                parts.append("\n\n".join(prose))
-        text = "\n\n".join(parts)
-        source = f"markdown prose of {len(parts)} course notebook(s) in {folder.name}/, {len(text):,} characters"
-    if len(text) < min_chars:
-        raise ValueError(f"Found only {len(text):,} characters of offline text (need {min_chars:,}) in {source}; "
-                         "pass notebooks_dir= the course's notebooks/ folder, or a smaller min_chars.")
-    return text, source
+    package (``data_files/course_corpus.txt``, made by ``scripts/build_corpus.py``)."""
+    text = paths.data_file(CORPUS_FILE).read_text(encoding="utf-8").partition("\n\n")[2]  # after the credit line
+    return text, f"the course notebooks' prose, shipped with the package, {len(text):,} characters"
 
 
 class ByteTokenizer:
@@ -468,17 +404,14 @@ def sample_text(model: nn.Module, tokenizer, prompt: str, *, n_tokens: int = 60,
     device = next(model.parameters()).device
     ids = torch.tensor([tokenizer.encode(prompt)], device=device)
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    was_training = model.training
+    was_training, new = model.training, []
     model.eval()
-    try:
-        new = []
-        for _ in range(n_tokens):
-            logits = model(input_ids=ids[:, -model.config.n_positions:]).logits[0, -1].float().cpu() / temperature
-            logits = logits[:tokenizer.vocab_size]  # a model wider than its tokenizer samples only ids it can decode
-            values, indices = torch.topk(logits, min(top_k, logits.numel()))
-            choice = indices[torch.multinomial(torch.softmax(values, dim=-1), 1, generator=gen)]
-            new.append(int(choice))
-            ids = torch.cat([ids, choice.view(1, 1).to(device)], dim=1)
-    finally:
-        model.train(was_training)
+    for _ in range(n_tokens):
+        logits = model(input_ids=ids[:, -model.config.n_positions:]).logits[0, -1].float().cpu() / temperature
+        logits = logits[:tokenizer.vocab_size]  # a model wider than its tokenizer samples only ids it can decode
+        values, indices = torch.topk(logits, min(top_k, logits.numel()))
+        choice = indices[torch.multinomial(torch.softmax(values, dim=-1), 1, generator=gen)]
+        new.append(int(choice))
+        ids = torch.cat([ids, choice.view(1, 1).to(device)], dim=1)
+    model.train(was_training)
     return tokenizer.decode(new)

@@ -70,10 +70,9 @@ class ChainSchedule:
 
 
 def _positions(checkpoints, n: int) -> tuple:
-    if checkpoints is None:
-        raise ValueError("strategy 'checkpoints' needs checkpoints=[positions], e.g. checkpoints=[3, 6].")
-    if isinstance(checkpoints, (str, bytes)) or not isinstance(checkpoints, Iterable):
-        raise TypeError(f"checkpoints must be a list of layer positions (ints 1..n), not {checkpoints!r}.")
+    if not isinstance(checkpoints, (list, tuple, range)):
+        raise TypeError(f"strategy 'checkpoints' needs checkpoints= a list of layer positions (ints 1..n), "
+                        f"e.g. [3, 6], not {checkpoints!r}.")
     for c in checkpoints:
         if positive_int(c, "a checkpoint position", f"between 1 and n={n}") > n:
             raise ValueError(f"checkpoint position {c} is outside the chain: use positions between 1 and n={n}.")
@@ -91,22 +90,22 @@ def simulate(n: int, strategy: str = "every_k", *, rule, checkpoints: Sequence[i
         raise ValueError(f"Unknown strategy {strategy!r}; choose one of {tuple(STRATEGY_LABELS)}.")
     if checkpoints is not None and strategy != "checkpoints":
         raise ValueError(f"checkpoints=... goes with strategy='checkpoints', not {strategy!r}.")
-    sizes = (1,) * n if sizes is None else tuple(sizes) if isinstance(sizes, (list, tuple)) else ()
-    if len(sizes) != n or not all(isinstance(s, Real) and 0 < s < math.inf for s in sizes):
+    if sizes is None:
+        sizes = (1,) * n
+    positive = isinstance(sizes, (list, tuple)) and all(isinstance(s, Real) and 0 < s < math.inf for s in sizes)
+    if not positive or len(sizes) != n:
         raise ValueError(f"sizes must list {n} positive numbers, one per layer, e.g. [4, 1, 6, 1] for 4 layers.")
     kept = {"store_all": range(1, n + 1), "recompute_all": (), "every_k": range(k, n + 1, k)}.get(strategy)
     kept = _positions(checkpoints, n) if kept is None else tuple(kept)
     # a recomputation keeps its nodes until their b node is done, except in recompute_all (only the newest)
     live: dict = {}  # node -> size
     nodes = {(kind, i) for kind in "fb" for i in range(1, n + 1)}
-    sched = ChainSchedule(n, strategy, kept, sizes, [], [], [], [], [] if n <= MAX_LIVE_RECORD else None)
+    sched = ChainSchedule(n, strategy, kept, tuple(sizes), [], [], [], [], [] if n <= MAX_LIVE_RECORD else None)
     for op in rule(n, frozenset(kept), strategy != "recompute_all"):
-        if not isinstance(op, tuple) or op[:1] not in (("compute",), ("free",)) or len(op) < 2:
-            raise ValueError(f"The rule yielded {op!r}; yield ('compute', node, recomputed) or ('free', node).")
-        node = op[1]
-        if node not in nodes:
-            raise ValueError(f"The rule named the node {node!r}; nodes are ('f', i) or ('b', i) with i in 1..{n}.")
-        name = "{}{}".format(*node)
+        if not (isinstance(op, tuple) and len(op) >= 2 and op[0] in ("compute", "free") and op[1] in nodes):
+            raise ValueError(f"The rule yielded {op!r}; yield ('compute', node, recomputed) or ('free', node), where "
+                             f"nodes are ('f', i) or ('b', i) with i in 1..{n}.")
+        node, name = op[1], "{}{}".format(*op[1])
         if op[0] == "free":
             if node not in live:
                 raise ValueError(f"The rule frees {name}, which is not in memory.")
@@ -115,8 +114,8 @@ def simulate(n: int, strategy: str = "every_k", *, rule, checkpoints: Sequence[i
         if node in live:
             raise ValueError(f"The rule computes {name} while it is still in memory.")
         i = node[1]
-        needs = ([("f", i - 1)] if i > 1 else []) if node[0] == "f" else [("f", i)] + ([("b", i + 1)] if i < n else [])
-        missing = ["{}{}".format(*m) for m in needs if m not in live]
+        needs = [("f", i - 1)] if node[0] == "f" else [("f", i), ("b", i + 1)]  # f0 (the input) and b(n+1): no nodes
+        missing = ["{}{}".format(*m) for m in needs if m in nodes and m not in live]
         if missing:
             raise ValueError(f"The rule computes {name} but {', '.join(missing)} is not in memory: "
                              "free a node only after the last step that needs it, or recompute it first.")
@@ -140,18 +139,14 @@ def sweep(ns: Iterable[int], *, rule):
     return pd.DataFrame([simulate(n, s, rule=rule).summary() for n in ns for s in COMPARED])
 
 
-def segment_checkpoints(n: int, segments: int) -> tuple:
-    """Checkpoint positions that cut an n-layer chain into ``segments`` (1..n) nearly equal segments."""
-    return tuple(sorted({round(i * n / segments) for i in range(1, segments + 1)}))
-
-
 def best_segment_count(n: int, *, rule, max_segments: int | None = None):
-    """Try every segment count s (1..max_segments) with evenly spaced checkpoints: ``(best s, DataFrame)``."""
+    """Try every segment count s (1..max_segments), checkpoints cutting the chain into s nearly equal segments:
+    ``(best s, DataFrame)``."""
     import pandas as pd
 
     rows = []
     for s in range(1, (max_segments or min(n, 4 * math.isqrt(n) + 4)) + 1):
-        sched = simulate(n, "checkpoints", rule=rule, checkpoints=segment_checkpoints(n, s))
+        sched = simulate(n, "checkpoints", rule=rule, checkpoints=[round(i * n / s) for i in range(1, s + 1)])
         rows.append({"segments": s, "peak_nodes": sched.peak_nodes, "forward_computations": sched.forward_count})
     best = min(rows, key=lambda r: (r["peak_nodes"], r["forward_computations"], r["segments"]))
     return best["segments"], pd.DataFrame(rows)
@@ -230,15 +225,11 @@ def interesting_steps(schedule: ChainSchedule, count: int = 4) -> list:
     """A few steps worth showing: end of the forward pass, the peak, a recomputation, the last step."""
     s = schedule
     recomputations = [t for t in range(s.steps) if s.recomputed[t]]
-    picks = [s.n - 1, s.memory.index(s.peak_memory)] + recomputations[len(recomputations) // 2:][:1] + [s.steps - 1]
-    for extra in (s.n + (s.steps - s.n) // 2, s.n, s.n // 2, 0):  # fill up with the middle of the backward pass, ...
-        if len(set(picks)) >= count:
-            break
-        picks.append(extra)
-    return sorted(set(picks))[:count]
+    picks = {s.n - 1, s.memory.index(s.peak_memory), s.steps - 1, *recomputations[len(recomputations) // 2:][:1]}
+    return sorted(picks)[:count]
 
 
-def draw_strategy_grid(n: int = 6, steps_per_strategy: int = 4, *, rule):
+def draw_strategy_grid(n: int = 6, steps_per_strategy: int = 3, *, rule):
     """The static figure: one row per compared strategy, a few time steps each (the fallback for the slider)."""
     import matplotlib.pyplot as plt
 
@@ -254,9 +245,7 @@ def draw_strategy_grid(n: int = 6, steps_per_strategy: int = 4, *, rule):
                 ax.axis("off")
                 continue
             draw_step(sched, t, ax)
-            verb = "recompute" if sched.recomputed[t] else "compute"
-            ax.set_title(f"{sched.label} · step {t + 1}/{sched.steps}: {verb} {sched.ops[t]}, "
-                         f"{sched.live_nodes[t]} live", fontsize=8)
+            ax.title.set_fontsize(8)
     fig.suptitle("Live nodes (purple) at a few steps; red outline = node computed now, orange = recomputed, "
                  "square = kept checkpoint", fontsize=9)
     fig.tight_layout()
@@ -278,8 +267,7 @@ def plot_timelines(schedules: Iterable[ChainSchedule], ax=None):
 
 
 def plot_scaling(table, axes=None):
-    """Two log-log panels from :func:`sweep`: peak live nodes vs n and forward computations vs n,
-    with the reference lines sqrt(n), 2 sqrt(n), n and n^2/2."""
+    """Two log-log panels of a :func:`sweep` table: peak live nodes and forward computations vs n, with references."""
     import matplotlib.pyplot as plt
     import seaborn as sns
 
@@ -316,9 +304,7 @@ def chain_explorer(n: int = 9, *, rule):
 
     def redraw(*_):
         sched = schedules[picker.value]
-        if slider.max != sched.steps - 1:
-            slider.value = min(slider.value, sched.steps - 1)
-            slider.max = sched.steps - 1
+        slider.max = sched.steps - 1  # a later step than the new schedule has moves to its last step
         with out:
             out.clear_output(wait=True)
             fig, (ax_graph, ax_mem) = plt.subplots(2, 1, figsize=(0.75 * n + 2, 4.2),

@@ -7,6 +7,7 @@ notebooks' prose:
     python scripts/build_corpus.py           # rewrite the file
     python scripts/build_corpus.py --check   # exit 1 if the file differs from the notebooks' prose
 """
+import json
 import sys
 from pathlib import Path
 
@@ -19,7 +20,11 @@ CREDIT = ('Markdown prose of the notebooks of the course "When the model does no
 
 
 def corpus_text() -> str:
-    text, _ = capstone.course_corpus(ROOT / "notebooks")
+    prose = []
+    for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        cells = json.loads(path.read_text(encoding="utf-8"))["cells"]
+        prose.append("\n\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown"))
+    text = "\n\n".join(p for p in prose if p)
     return f"{CREDIT}\n\n{text.strip()}\n"
 
 

@@ -524,14 +524,17 @@ def test_byte_tokenizer_and_offline_loading():
         tok.decode([300])
 
 
-def test_course_corpus_and_batches(tmp_path):
-    nb = {"cells": [{"cell_type": "markdown", "source": ["# Title\n", "Some prose. " * 50]},
-                    {"cell_type": "code", "source": ["print('code is not prose')"]}]}
-    (tmp_path / "01_x.ipynb").write_text(json.dumps(nb))
-    (tmp_path / "02_broken.ipynb").write_text("{not json")
-    text, source = capstone.course_corpus(tmp_path, min_chars=100)
-    assert "Some prose." in text and "code is not prose" not in text and "1 course notebook" in source
-    tokens = torch.tensor(capstone.ByteTokenizer().encode(text))
+def test_course_corpus_is_the_notebooks_prose_and_batches():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("build_corpus", NOTEBOOK.parents[1] / "scripts" / "build_corpus.py")
+    build_corpus = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(build_corpus)
+    built = build_corpus.corpus_text()  # what scripts/build_corpus.py writes: markdown only, no code
+    assert "## Recap" in built and "def chain_step(" not in built
+    text, source = capstone.course_corpus()
+    assert "shipped with the package" in source and "def chain_step(" not in text
+    tokens = torch.tensor(capstone.ByteTokenizer().encode(text[:2000]))
     data = capstone.TokenBatches(tokens, seq_len=32, micro_batch=3, seed=5)
     assert data[7].shape == (3, 32) and torch.equal(data[7], data[7])
     assert not torch.equal(data[7], data[8])

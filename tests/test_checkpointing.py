@@ -133,10 +133,13 @@ def test_sweep_table():
     assert (row.peak_nodes, row.forward_computations) == (8, 28)
 
 
-def test_segment_checkpoints():
-    assert ck.segment_checkpoints(16, 4) == (4, 8, 12, 16)
-    assert ck.segment_checkpoints(10, 3) == (3, 7, 10)
-    assert ck.segment_checkpoints(5, 1) == (5,)
+def test_segments_are_evenly_spaced_checkpoints():
+    _, table = best_segment_count(16, max_segments=4)
+    four = table.set_index("segments").loc[4]  # checkpoints 4, 8, 12, 16: every_k with k = sqrt(16)
+    every_k = simulate(16, "every_k")
+    assert (four.peak_nodes, four.forward_computations) == (every_k.peak_nodes, every_k.forward_count)
+    one = table.set_index("segments").loc[1]  # only f16 kept: everything below it is recomputed once
+    assert one.forward_computations == 16 + 15
 
 
 def test_best_segment_count_small_n():
@@ -231,7 +234,7 @@ def test_chain_explorer_builds():
         (dict(n=2.5), TypeError, "must be a whole number"),
         (dict(n=True), TypeError, "must be a whole number"),
         (dict(n=4, strategy="sqrt"), ValueError, "Unknown strategy"),
-        (dict(n=4, strategy="checkpoints"), ValueError, "needs checkpoints"),
+        (dict(n=4, strategy="checkpoints"), TypeError, "needs checkpoints"),
         (dict(n=4, strategy="checkpoints", checkpoints=[5]), ValueError, "outside the chain"),
         (dict(n=4, strategy="checkpoints", checkpoints=["2"]), TypeError, "checkpoint position must be a whole"),
         (dict(n=4, strategy="checkpoints", checkpoints=[0]), ValueError, "must be positive"),
