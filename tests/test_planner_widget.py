@@ -87,10 +87,10 @@ def test_widget_toggles_of_the_current_toolbox():
     assert box.controls["master_on_cpu"].value and box.last_result.ok
     assert box.last_result.plan.peak_bytes < before
     box.set(chunked_loss=True, offload_activations=True)
-    assert box.last_result.ok and "stream weights from CPU" in box.last_result.plan.techniques
+    assert box.last_result.ok and "stream weights from CPU" in box.last_result.plan.settings.techniques()
     box.controls["master_on_cpu"].value = False  # streaming weights needs it: both streams switch off
     assert not box.controls["stream_weights"].value and box.last_result.ok
     text = box.set(fused_update=True, accumulation=4)
     assert not box.last_result.ok and "set accumulation=1" in text
     box.set(fused_update=False, accumulation=1, lora_rank=8)
-    assert box.last_result.ok and "LoRA adapters (rank 8)" in box.last_result.plan.techniques
+    assert box.last_result.ok and "LoRA adapters (rank 8)" in box.last_result.plan.settings.techniques()

@@ -161,10 +161,6 @@ class Plan:
     def fits(self) -> bool:
         return self.peak_bytes <= self.gpu.memory_bytes
 
-    @property
-    def techniques(self) -> list[str]:
-        return self.settings.techniques()
-
     def summary(self) -> str:
         """The total the card needs against its memory, whether it fits, and the categories."""
         s = self.settings
@@ -288,15 +284,10 @@ def _activations(model: ModelSpec, s: Settings) -> dict:
     else:
         a["head"] = B * (_at(c.head, u) + (_at(c.output, u) if s.keep_outputs else 0.0))
         a["loss"] = B * 8 * vocab * u  # d(loss)/d(logits) in fp32, twice
-    if s.checkpointing == "none":
-        a["segments"] = [[i] for i in range(nb)]
-        a["kept"] = list(a["block"])
-    else:
-        size_seg = 1 if s.checkpointing == "block" else math.ceil(nb / math.ceil(math.sqrt(nb)))
-        a["segments"] = [list(range(i, min(nb, i + size_seg))) for i in range(0, nb, size_seg)]
-        a["kept"] = [0.0] * nb
-        for seg in a["segments"]:
-            a["kept"][seg[0]] = B * c.boundary[seg[0]] * u  # the segment's input
+    size_seg = math.ceil(nb / math.ceil(math.sqrt(nb))) if s.checkpointing == "sqrt" else 1
+    a["segments"] = [list(range(i, min(nb, i + size_seg))) for i in range(0, nb, size_seg)]
+    a["kept"] = list(a["block"]) if s.checkpointing == "none" else [  # checkpoints keep each segment's input
+        B * c.boundary[i] * u if i % size_seg == 0 else 0.0 for i in range(nb)]
     a["saved"] = a["stem"] + a["head"] + sum(a["kept"])  # what offloading sends to the host and back
     return a
 

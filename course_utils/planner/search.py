@@ -76,29 +76,23 @@ def cheapest_fit(model, gpu="RTX 3060 (12 GB)", *, host_gib=None, **settings) ->
     model = get_model(model)
     gpu = get_gpu(gpu)
     base = make_settings(model, **settings)
-    if host_gib is not None:
-        positive_number(host_gib, "host_gib", "the machine's RAM in GiB, e.g. 32, or None for no limit")
+    host_limit = float("inf") if host_gib is None else GIB * positive_number(
+        host_gib, "host_gib", "the machine's RAM in GiB, e.g. 32, or None for no limit")
     baseline = predict_settings(model, gpu, base)
     if baseline.fits:  # nothing to turn on; faster options are the learner's choice
         return Recommendation(plan=baseline, baseline=baseline, techniques=[], notebooks={}, slowdown=1.0)
-    best, smallest = None, None
-    for s in candidate_settings(base, gpu, model):
-        p = predict_settings(model, gpu, s)
-        if smallest is None or p.peak_bytes < smallest.peak_bytes:
-            smallest = p
-        if not p.fits or (host_gib is not None and p.host_bytes > host_gib * GIB):
-            continue
-        key = (round(p.step_seconds, 6), len(s.techniques(base)), p.peak_bytes)
-        if best is None or key < best[0]:
-            best = (key, p)
-    if best is None:
+    plans = [predict_settings(model, gpu, s) for s in candidate_settings(base, gpu, model)]
+    fitting = [p for p in plans if p.fits and p.host_bytes <= host_limit]
+    if not fitting:
+        smallest = min(plans, key=lambda p: p.peak_bytes)
         raise ValueError(
             f"Nothing fits: {model.name} needs at least {smallest.peak_bytes / GIB:.2f} GiB even with every technique "
             f"({', '.join(smallest.settings.techniques(base))}) and micro-batch {smallest.settings.micro_batch}, "
             f"but {gpu.name} has {gpu.memory_gib:.1f} GiB. Choose a GPU with more memory, a shorter sequence / "
             f"smaller image, or a smaller model; or shard across GPUs (notebooks/07_beyond_one_gpu.ipynb)"
             + (f"; or allow more host RAM than {host_gib:g} GiB." if host_gib is not None else "."))
-    plan = best[1]
+    # the fastest; ties go to fewer techniques, then to the smaller peak
+    plan = min(fitting, key=lambda p: (round(p.step_seconds, 6), len(p.settings.techniques(base)), p.peak_bytes))
     techniques = plan.settings.techniques(base)
     notebooks = {t: next(nb for words, nb in presets()["technique_notebooks"] if words in t.lower())
                  for t in techniques}  # each technique's notebook: the first whose words its name contains
