@@ -83,16 +83,12 @@ def cuda_context_from_counters(device_free: int, device_total: int, reserved: in
     return max(0, device_total - device_free - reserved)
 
 
-def cuda_context_bytes(counters=None) -> int | None:
+def cuda_context_bytes() -> int | None:
     """The CUDA context measured on this card (see :func:`cuda_context_from_counters`); None without CUDA."""
-    if counters is None and not torch.cuda.is_available():
+    if not torch.cuda.is_available():
         return None
-    if counters is None:
-        from .memory import CudaCounters
-
-        counters = CudaCounters()
-    free, total = counters.mem_get_info()
-    return cuda_context_from_counters(int(free), int(total), int(counters.memory_reserved()))
+    free, total = torch.cuda.mem_get_info()
+    return cuda_context_from_counters(int(free), int(total), int(torch.cuda.memory_reserved()))
 
 
 def allocator_fraction(total_bytes: int, budget_bytes: int, context_bytes: int) -> float:

@@ -75,7 +75,7 @@ def test_allocator_fraction_leaves_room_for_the_context():
         hardware.allocator_fraction(0, 12 * hardware.GIB, context)
 
 
-def test_cuda_context_from_counters_and_a_fake_counter_source():
+def test_cuda_context_from_counters_and_a_pretend_card(monkeypatch):
     gib = hardware.GIB
     assert hardware.cuda_context_from_counters(70 * gib, 80 * gib, 9 * gib) == 1 * gib
     assert hardware.cuda_context_from_counters(75 * gib, 80 * gib, 6 * gib) == 0  # never below 0
@@ -84,16 +84,13 @@ def test_cuda_context_from_counters_and_a_fake_counter_source():
     with pytest.raises(ValueError, match="reserved"):
         hardware.cuda_context_from_counters(1, 2, -3)
 
-    class Counters:  # what a card with 300 MiB of context and 2 GiB reserved reports
-        def mem_get_info(self):
-            return 16 * gib - 2 * gib - 300 * hardware.MIB, 16 * gib
-
-        def memory_reserved(self):
-            return 2 * gib
-
-    assert hardware.cuda_context_bytes(Counters()) == 300 * hardware.MIB
     if not torch.cuda.is_available():
         assert hardware.cuda_context_bytes() is None
+    # what a card with 300 MiB of context and 2 GiB reserved reports
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (16 * gib - 2 * gib - 300 * hardware.MIB, 16 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda: 2 * gib)
+    assert hardware.cuda_context_bytes() == 300 * hardware.MIB
 
 
 def test_cap_gpu_memory_cuda_branch_with_a_pretend_card(monkeypatch):
