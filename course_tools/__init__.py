@@ -9,4 +9,6 @@ No notebook imports this package; it uses ``course_utils`` (never the other way 
 - ``preflight``     is this machine ready to run the course (``make check``)
 - ``launcher``      run a script in N processes like ``torchrun``, with a timeout and no orphans
                     (``python -m course_tools.launcher``; notebook 07 runs it as a command)
+- ``measure_presets`` re-measure the planner's model presets into its ``presets.json``
+                    (``python -m course_tools.measure_presets``)
 """

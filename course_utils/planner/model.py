@@ -17,25 +17,21 @@ On CUDA, ``overhead`` = the caching allocator's reserve + the CUDA context (``ha
 when tensors + overhead fit the card. The reserve stays a flat fraction (``hardware.ALLOCATOR_RESERVE_FRACTION``, 5%)
 rather than a replay of each plan through the allocator simulator (notebook 01b): replayed fake steps of GPT-2 (124M,
 8 x 512) and GPT-2-XL (1 x 1024) reserved 2.5% and 4.9% above their tensor peaks, and a replay costs about half a
-minute per plan (small models reserve a few fixed segments instead, little against a card's gigabytes). Attention:
-'fused' (the default on CUDA) prices PyTorch's SDPA kernels, 'math' keeps T x T tensors (a CPU trains with it);
-dropout masks are priced as the device keeps them (CUDA: 1 byte per element).
+minute per plan. Attention: 'fused' (the default on CUDA) prices PyTorch's SDPA kernels, 'math' keeps T x T tensors
+(a CPU trains with it); dropout masks are priced as the device keeps them (CUDA: 1 byte per element).
 
 Time per optimizer step (the planner's own model, approximate) = compute + optimizer step + PCIe traffic:
 
 * compute = training FLOPs (6 x params x tokens for transformers, 3 x the measured forward FLOPs otherwise) / (the
-  GPU's peak TFLOPS for the precision x ``MFU``); fp16/bf16 at the tensor-core rate (a GTX 1080 Ti has none: 1/64
-  rate); checkpointing x 4/3 (one more forward, ~1/3 of forward+backward); each halving of the micro-batch costs
-  ``SMALL_BATCH_PENALTY`` of compute (a busy GPU needs big matrices);
+  GPU's peak TFLOPS for the precision x ``MFU``); checkpointing x 4/3 (one more forward); each halving of the
+  micro-batch costs ``SMALL_BATCH_PENALTY`` of compute (a busy GPU needs big matrices);
 * the optimizer on the GPU: the bytes it reads and writes / memory bandwidth. On the CPU: gradients down and weights
-  up over PCIe once per step (streamed gradients: once per micro-batch, counted in full, an upper bound) + the CPU's
-  update at :func:`cpu_step_ns` per parameter;
-* notebooks 08-09's toggles (:class:`Settings`): ``offload_activations`` (what forward saves waits in host memory) and
-  ``stream_weights`` (the card keeps the embedding, the head and ``STREAMED_BLOCKS`` blocks: the one computing, the
-  next prefetched) copy on a side stream, so only the part longer than compute shows; ``chunked_loss`` (the loss over
-  ``LOSS_CHUNKS`` checkpointed chunks of tokens) costs one more head matmul; ``fused_update`` steps each parameter as
-  its gradient completes; ``lora_rank`` (frozen weights, fp32 adapters on GPT-2's c_attn, c_proj and c_fc) computes
-  4/6 (no weight gradients).
+  up over PCIe once per step (streamed gradients: once per micro-batch, an upper bound) + :func:`cpu_step_ns` per
+  parameter;
+* notebooks 08-09's toggles: offloaded activations and streamed weights (the card keeps the embedding, the head and
+  ``STREAMED_BLOCKS`` blocks) copy on a side stream, so only the part longer than compute shows; the chunked loss
+  (``LOSS_CHUNKS`` checkpointed chunks of tokens) costs one more head matmul; LoRA (fp32 adapters on GPT-2's c_attn,
+  c_proj and c_fc, frozen weights) computes 4/6 (no weight gradients).
 """
 from __future__ import annotations
 

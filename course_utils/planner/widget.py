@@ -29,12 +29,9 @@ def plan_frame(plans: dict):
     import pandas as pd
 
     _check_plans(plans)
-    rows = []
-    for name, p in plans.items():
-        row = {"scenario": name, **{k: round(v / GIB, 2) for k, v in p.by_category.items()}}
-        row.update(total=round(p.peak_bytes / GIB, 2), gpu_GiB=round(p.gpu.memory_gib, 1), fits=p.fits)
-        rows.append(row)
-    return pd.DataFrame(rows).set_index("scenario")
+    rows = {name: {**{k: round(v / GIB, 2) for k, v in p.by_category.items()}, "total": round(p.peak_bytes / GIB, 2),
+                   "gpu_GiB": round(p.gpu.memory_gib, 1), "fits": p.fits} for name, p in plans.items()}
+    return pd.DataFrame.from_dict(rows, orient="index").rename_axis("scenario")
 
 
 def _check_plans(plans):
@@ -114,7 +111,7 @@ def render(*, model="gpt2-xl", gpu="RTX 3060 (12 GB)", custom_gpu_gib=8, custom_
 def planner_widget():
     """The interactive planner: controls on top, the chart (or a message) below.
 
-    The returned box has ``controls`` (name -> widget), ``last_result`` (a :class:`RenderResult`), ``update()`` and
+    The returned box has ``controls`` (name -> widget), ``last_result`` (a :class:`RenderResult`) and
     ``set(**values) -> str``: set controls by name (a model may be given by its preset name, e.g.
     ``set(model='gpt2', gpu='T4', micro_batch=8)``) and get the text shown.
     """
@@ -199,7 +196,6 @@ def planner_widget():
         update()
         return box.last_result.message
 
-    box.update = update
     box.set = set_values
     box.controls = c
     for control in c.values():
