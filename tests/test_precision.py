@@ -25,10 +25,6 @@ def test_format_table_matches_ieee():
 
 
 def test_format_bad_inputs():
-    with pytest.raises(ValueError, match="formats must"):
-        P.format_table(["fp8"])
-    with pytest.raises(ValueError, match="non-empty"):
-        P.format_table("fp16")
     with pytest.raises(TypeError, match="dict"):
         P.plot_ranges(mark=[1e-8])
 
@@ -37,8 +33,8 @@ def test_plot_ranges_draws_one_row_per_format():
     import matplotlib
 
     matplotlib.use("Agg")
-    ax = P.plot_ranges(["fp32", "fp16"], mark={"1e-8": 1e-8})
-    assert [t.get_text() for t in ax.get_yticklabels()] == ["fp32", "fp16"]
+    ax = P.plot_ranges(mark={"1e-8": 1e-8})
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["fp32", "tf32", "fp16", "bf16"]
 
 
 def test_underflow_and_overflow_fractions_are_exact():
@@ -80,40 +76,6 @@ def test_autocast_op_table_cpu():
         P.autocast_op_table("tpu")
     with pytest.raises(ValueError, match="16-bit"):
         P.autocast_op_table("cpu", torch.float32)
-
-
-def _scaler_steps(losses_scale):
-    p = nn.Parameter(torch.ones(2))
-    opt = torch.optim.SGD([p], lr=0.0)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**100, growth_interval=2)
-    log = P.ScaleLog(scaler)
-    for k in losses_scale:
-        opt.zero_grad()
-        scaler.scale(p.sum() * k).backward()
-        scaler.step(opt)
-        scaler.update()
-        log.update(1.0)
-    return log
-
-
-def test_scale_log_detects_skipped_steps():
-    # 1e30 * 2**100 overflows fp32: skipped, scale halves; then finite steps grow it every 2 steps
-    log = _scaler_steps([1e30, 1e30, 1.0, 1.0, 1.0])
-    assert log.init_scale == 2.0**100
-    assert log.skipped == [True, True, False, False, False]
-    assert log.skipped_steps == 2
-    assert log.scales == [2.0**99, 2.0**98, 2.0**98, 2.0**99, 2.0**99]
-    df = log.frame()
-    assert list(df.columns) == ["step", "scale", "skipped", "loss"] and len(df) == 5
-
-
-def test_scale_log_bad_inputs():
-    with pytest.raises(TypeError, match="GradScaler"):
-        P.ScaleLog(object())
-    with pytest.raises(ValueError, match="disabled"):
-        P.ScaleLog(torch.amp.GradScaler("cpu", enabled=False))
-    with pytest.raises(ValueError, match="Nothing recorded"):
-        P.ScaleLog(torch.amp.GradScaler("cpu")).plot()
 
 
 def test_recommend_precision():
@@ -201,7 +163,7 @@ def test_checker_rejects_counts_every_wrong_order():
 
 def test_the_overflow_is_real():
     """The injected batch overflows fp16 only once scaled: the hand-made reference skips exactly that step."""
-    _, norms = P._reference_run("cpu", 0.25)
+    _, norms = P._reference_run("cpu")
     assert [k for k, n in enumerate(norms) if not math.isfinite(n)] == [P.OVERFLOW_STEP]
 
 
@@ -215,6 +177,4 @@ def test_check_amp_step_bad_inputs():
         P.check_amp_step(lambda *a: None)
     with pytest.raises(TypeError, match="function itself"):
         P.check_amp_step(None)
-    with pytest.raises(ValueError, match="max_norm"):
-        P.check_amp_step(_right, max_norm=0)
     assert not P.check_amp_step(lambda *a: 1.0)
