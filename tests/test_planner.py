@@ -202,7 +202,7 @@ def test_a_verdict_counts_the_allocator_reserve_and_the_cuda_context():
     between = (plan.tensor_peak_bytes + plan.peak_bytes) / 2 / GIB
     tight = planner.predict("gpt2-medium", planner.custom_gpu(between), micro_batch=4, size=1024)
     assert tight.tensor_peak_bytes < tight.gpu.memory_bytes and not tight.fits
-    assert "does NOT fit" in tight.summary()
+    assert "does NOT fit" in str(tight)
     assert planner.predict("gpt2-medium", micro_batch=4, size=1024, device="cpu").by_category["overhead"] == 0
 
 

@@ -157,7 +157,7 @@ class Plan:
     def fits(self) -> bool:
         return self.peak_bytes <= self.gpu.memory_bytes
 
-    def summary(self) -> str:
+    def __str__(self) -> str:
         """The total the card needs against its memory, whether it fits, and the categories."""
         s = self.settings
         lines = [f"{self.model.name} on {self.gpu.name}: {self.peak_bytes / GIB:.2f} GiB of {self.gpu.memory_gib:.1f} "
@@ -167,8 +167,6 @@ class Plan:
         lines += [f"  {k:<12}{v / GIB:8.2f} GiB" for k, v in self.by_category.items()]
         lines.append(f"  predicted time per optimizer step: {self.step_seconds:.2f} s")
         return "\n".join(lines + [f"  note: {n}" for n in self.notes])
-
-    __str__ = summary
 
 
 def _choice(value, what: str, options) -> str:

@@ -27,7 +27,7 @@ class Recommendation:
     notebooks: dict
     slowdown: float  # predicted step time / the baseline's
 
-    def summary(self) -> str:
+    def __str__(self) -> str:
         if not self.techniques:
             head = f"{self.baseline.model.name} fits {self.baseline.gpu.name} as it is: nothing to turn on."
         else:
@@ -37,8 +37,6 @@ class Recommendation:
         lines.append(f"  predicted peak {self.plan.peak_bytes / GIB:.2f} GiB of {self.plan.gpu.memory_gib:.1f} GiB "
                      f"(baseline {self.baseline.peak_bytes / GIB:.2f} GiB)")
         return "\n".join(lines)
-
-    __str__ = summary
 
 
 def candidate_settings(base: Settings, gpu: GPUSpec, model):

@@ -18,10 +18,6 @@ CUSTOM_MODEL = "custom (parameters + activations)"
 CUSTOM_GPU = "custom GPU (GiB below)"
 LABELS = presets()["labels"]  # per control: what the widget shows -> what predict() takes
 MODEL_LABELS = {key: label for label, key in LABELS["model"].items()}
-CHECKBOXES = {"master_on_cpu": "optimizer + fp32 master weights on CPU", "stream_grads": "stream gradients to CPU",
-              "stream_weights": "stream weights from CPU (09)", "offload_activations": "offload activations (08)",
-              "chunked_loss": "chunked loss (08)", "fused_update": "update fused into backward (08)",
-              "search": "search the cheapest set that fits"}
 
 
 def plan_frame(plans: dict):
@@ -88,7 +84,7 @@ def render(*, model="gpt2-xl", gpu="RTX 3060 (12 GB)", custom_gpu_gib=8, custom_
         kwargs = {k: LABELS.get(k, {}).get(v, v) for k, v in settings.items()}
         plan = predict(spec, gpu, lora_rank=lora_rank or None, **kwargs)
         rec = None
-        lines = [plan.summary()]
+        lines = [str(plan)]
         plans = {"your settings": plan}
         if search:
             try:
@@ -96,7 +92,7 @@ def render(*, model="gpt2-xl", gpu="RTX 3060 (12 GB)", custom_gpu_gib=8, custom_
             except ValueError as err:
                 lines.append(f"Search: {err}")
             else:
-                lines.append(rec.summary())
+                lines.append(str(rec))
                 if rec.techniques:
                     plans["cheapest set that fits"] = rec.plan
         fig, ax = plt.subplots(figsize=(9, 1.4 + 0.7 * len(plans)))
@@ -142,7 +138,7 @@ def planner_widget():
         optimizer=pick(w.ToggleButtons, "optimizer", list(LABELS["optimizer"]), "Adam"),
         attention=pick(w.ToggleButtons, "attention", list(LABELS["attention"]), "fused (SDPA)"),
         lora_rank=slider(0, 64, "LoRA rank (0: off)"),
-        **{name: w.Checkbox(value=name == "search", description=text) for name, text in CHECKBOXES.items()},
+        **{name: w.Checkbox(value=name == "search", description=text) for name, text in LABELS["checkboxes"].items()},
     )
     held = [False]  # True while set() changes several controls: one update at the end
 
