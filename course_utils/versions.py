@@ -2,7 +2,7 @@
 them (PEP 440)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import namedtuple
 from importlib import metadata
 
 from packaging.requirements import InvalidRequirement, Requirement
@@ -45,15 +45,9 @@ def declared_ranges(distribution: str = "course_utils") -> dict:
     return ranges
 
 
-@dataclass(frozen=True)
-class VersionCheck:
-    """One package: its installed version, the tested range and the verdict ('ok', 'outside', 'not installed' or
-    'no range declared')."""
-
-    package: str
-    installed: str | None
-    tested: str
-    status: str
+# one package: its installed version (None if missing), the tested range ('' if none) and the verdict ('ok',
+# 'outside', 'not installed' or 'no range declared')
+VersionCheck = namedtuple("VersionCheck", "package installed tested status")
 
 
 def check_versions(packages=PACKAGES, *, ranges: dict | None = None) -> list:
