@@ -213,7 +213,7 @@ def make_settings(model: ModelSpec, *, micro_batch, size=None, accumulation=1, c
     if chunked_loss and not model.output_per_unit:
         raise ValueError(f"chunked_loss chunks a language model's vocabulary head; {model.name} has none: "
                          "set chunked_loss=False.")
-    if lora_rank is not None and not (model.family == "transformer" and model.output_per_unit):
+    if lora_rank is not None and not model.output_per_unit:  # of the presets, only GPT-2 returns logits
         raise ValueError(f"lora_rank prices adapters on GPT-2's c_attn, c_proj and c_fc; {model.name} is not a "
                          "GPT-2: use a GPT-2 preset (or gpt2_spec), or lora_rank=None.")
     if lora_rank is not None and master_on_cpu:

@@ -116,7 +116,6 @@ class ModelSpec:
     """
 
     name: str
-    family: str  # 'transformer', 'vision', 'mlp' or 'custom'
     n_params: int
     block_params: tuple  # parameters of each block
     largest_tensor: int  # numel of the largest parameter tensor
@@ -180,7 +179,7 @@ def custom_model(n_params: int, activation_bytes_per_sample: float, *, n_blocks:
         return ActCoeffs(block=((a, 0.0),) * n_blocks, boundary=(a / 8,) * n_blocks,
                          largest=((a / 4, 0.0),) * n_blocks, head=(0.0, 0.0))
 
-    return ModelSpec(name=name, family="custom", n_params=n_params, block_params=(n_params // n_blocks,) * n_blocks,
+    return ModelSpec(name=name, n_params=n_params, block_params=(n_params // n_blocks,) * n_blocks,
                      largest_tensor=max(n_params // n_blocks, 1),
                      acts={"any": {"fp32": coeffs(1.0), "amp": coeffs(0.5), "half": coeffs(0.5)}},
                      output_per_unit=0.0, fwd_flops_per_unit=2.0 * n_params, unit="sample")
@@ -222,8 +221,8 @@ def spec_from_data(name: str, d: dict) -> ModelSpec:
                                       stem=pair(c["stem"]), output=pair(c["output"]))
                       for kind, c in by_kind.items()}
             for pricing, by_kind in d["acts"].items()}
-    return ModelSpec(name=name, family=d["family"], n_params=d["n_params"],
-                     block_params=per_block(d["block_params"], int), largest_tensor=d["largest_tensor"], acts=acts,
-                     output_per_unit=d["output_per_unit"], fwd_flops_per_unit=d["fwd_flops_per_unit"], unit=d["unit"],
-                     ref_size=d.get("ref_size", 1), default_size=d["default_size"], max_size=d.get("max_size"),
+    return ModelSpec(name=name, n_params=d["n_params"], block_params=per_block(d["block_params"], int),
+                     largest_tensor=d["largest_tensor"], acts=acts, output_per_unit=d["output_per_unit"],
+                     fwd_flops_per_unit=d["fwd_flops_per_unit"], unit=d["unit"], ref_size=d.get("ref_size", 1),
+                     default_size=d["default_size"], max_size=d.get("max_size"),
                      block_largest=per_block(d["block_largest"], int))

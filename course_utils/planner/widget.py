@@ -170,14 +170,12 @@ def planner_widget():
                   w.HBox([c["lora_rank"], c["search"]]), out])
 
     def update():
-        box.last_result = render(**{k: v.value for k, v in c.items()})
+        result = box.last_result = render(**{k: v.value for k, v in c.items()})
         out.clear_output(wait=True)
         with out:
-            if box.last_result.ok:
-                show_figure(box.last_result.figure)
-                print(box.last_result.message)
-            else:
-                print("⚠ " + box.last_result.message)
+            if result.ok:
+                show_figure(result.figure)
+            print(result.message if result.ok else "⚠ " + result.message)
 
     def set_values(**values) -> str:
         unknown = sorted(set(values) - set(c))
