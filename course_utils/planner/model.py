@@ -36,7 +36,7 @@ Time per optimizer step (the planner's own model, approximate) = compute + optim
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 
 from ..estimate import normalize_optimizer, optimizer_state_bytes
 from ..hardware import gpu_bytes_needed
@@ -64,17 +64,18 @@ ATTENTIONS = ("fused", "math")
 
 @dataclass(frozen=True)
 class Settings:
-    """The knobs of one training setup, and how it runs (device, attention, the loop's outputs)."""
+    """The knobs of one training setup, and how it runs (device, attention, the loop's outputs): checked and normalized
+    by :func:`make_settings`."""
 
     micro_batch: int
-    size: int  # sequence length (transformers), image size (CNNs); ignored otherwise
+    size: int | None = None  # sequence length (transformers), image size (CNNs); None: the model's default
     accumulation: int = 1
     checkpointing: str = "none"
     precision: str = "fp32"
     optimizer: str = "adam"
     master_on_cpu: bool = False
     stream_grads: bool = False
-    attention: str = "fused"
+    attention: str | None = None  # 'fused' or 'math'; None: 'fused' on CUDA, 'math' on a CPU (its dropout needs math)
     keep_outputs: bool = True  # the usual loop: `outputs = model(...)` lives until backward ends
     device: str = "cuda"
     offload_activations: bool = False
@@ -175,64 +176,59 @@ def _choice(value, what: str, options) -> str:
     return value
 
 
-def make_settings(model: ModelSpec, *, micro_batch, size=None, accumulation=1, checkpointing="none",
-                  precision="fp32", optimizer="adam", master_on_cpu=False, stream_grads=False, attention=None,
-                  keep_outputs=True, device="cuda", offload_activations=False, chunked_loss=False,
-                  fused_update=False, lora_rank=None, stream_weights=False) -> Settings:
-    """Check and normalize the knobs; raises ValueError/TypeError saying what to change. ``attention=None``: 'fused'
-    on CUDA, 'math' on a CPU (which trains attention with dropout on the math path: 'fused' is refused there)."""
-    micro_batch = positive_int(micro_batch, "micro_batch", "e.g. 8", whole_floats=True)
-    accumulation = positive_int(accumulation, "accumulation", "1 means no accumulation", whole_floats=True)
-    size = positive_int(model.default_size if size is None else size,
+def make_settings(model: ModelSpec, **knobs) -> Settings:
+    """The knobs (the fields of :class:`Settings`; ``micro_batch`` is required) checked and normalized for ``model``;
+    raises ValueError/TypeError saying what to change."""
+    try:
+        s = Settings(**knobs)
+    except TypeError as err:  # a knob missing or unknown
+        raise TypeError(f"{err}; the knobs are {[f.name for f in fields(Settings)]}.") from None
+    micro_batch = positive_int(s.micro_batch, "micro_batch", "e.g. 8", whole_floats=True)
+    accumulation = positive_int(s.accumulation, "accumulation", "1 means no accumulation", whole_floats=True)
+    size = positive_int(model.default_size if s.size is None else s.size,
                         "sequence length" if model.unit == "token" else "image size", "e.g. 1024 tokens or 224 pixels",
                         whole_floats=True)
     if model.max_size is not None and size > model.max_size:
         raise ValueError(f"{model.name} reads at most {model.max_size} tokens; set the sequence length to "
                          f"{model.max_size} or less (got {size}).")
-    flags = dict(master_on_cpu=master_on_cpu, stream_grads=stream_grads, keep_outputs=keep_outputs,
-                 offload_activations=offload_activations, chunked_loss=chunked_loss, fused_update=fused_update,
-                 stream_weights=stream_weights)
-    for label, flag in flags.items():
-        if not isinstance(flag, bool):
-            raise TypeError(f"{label} must be True or False, not {flag!r}.")
-    if lora_rank is not None:
-        lora_rank = positive_int(lora_rank, "lora_rank", "e.g. 8, or None to train every weight", whole_floats=True)
-    if stream_grads and not master_on_cpu:
+    for f in fields(Settings):
+        if f.type == "bool" and not isinstance(getattr(s, f.name), bool):
+            raise TypeError(f"{f.name} must be True or False, not {getattr(s, f.name)!r}.")
+    lora = s.lora_rank is not None
+    if lora:
+        positive_int(s.lora_rank, "lora_rank", "e.g. 8, or None to train every weight", whole_floats=True)
+    if s.stream_grads and not s.master_on_cpu:
         raise ValueError("stream_grads=True accumulates gradients on the CPU and steps there: "
                          "turn on master_on_cpu=True as well.")
-    if stream_weights and not master_on_cpu:
+    if s.stream_weights and not s.master_on_cpu:
         raise ValueError("stream_weights=True keeps the weights on the host, so their fp32 master copy and the "
                          "optimizer live there too: turn on master_on_cpu=True as well.")
-    if fused_update and accumulation > 1:
+    if s.fused_update and accumulation > 1:
         raise ValueError(f"fused_update=True steps every parameter in each backward, so gradients cannot accumulate "
                          f"over {accumulation} micro-batches: set accumulation=1 (one larger micro-batch) or "
                          "fused_update=False.")
-    if fused_update and master_on_cpu:
+    if s.fused_update and s.master_on_cpu:
         raise ValueError("With the optimizer on the CPU, the update fused into backward is stream_grads=True: "
                          "use that, and set fused_update=False.")
-    if chunked_loss and not model.output_per_unit:
+    if s.chunked_loss and not model.output_per_unit:
         raise ValueError(f"chunked_loss chunks a language model's vocabulary head; {model.name} has none: "
                          "set chunked_loss=False.")
-    if lora_rank is not None and not model.output_per_unit:  # of the presets, only GPT-2 returns logits
+    if lora and not model.output_per_unit:  # of the presets, only GPT-2 returns logits
         raise ValueError(f"lora_rank prices adapters on GPT-2's c_attn, c_proj and c_fc; {model.name} is not a "
                          "GPT-2: use a GPT-2 preset (or gpt2_spec), or lora_rank=None.")
-    if lora_rank is not None and master_on_cpu:
+    if lora and s.master_on_cpu:
         raise ValueError("With LoRA only the small adapters train and their optimizer stays on the GPU: set "
                          "master_on_cpu=False (and stream_grads, stream_weights False), or lora_rank=None.")
-    optimizer = normalize_optimizer(optimizer)
-    if device not in ("cuda", "cpu"):
-        raise ValueError(f"device must be 'cuda' or 'cpu', not {device!r}.")
-    if attention is None:
-        attention = "fused" if device == "cuda" else "math"
-    attention = _choice(attention, "attention", ATTENTIONS)
-    if device == "cpu" and attention == "fused":
+    if s.device not in ("cuda", "cpu"):
+        raise ValueError(f"device must be 'cuda' or 'cpu', not {s.device!r}.")
+    attention = _choice(s.attention or ("fused" if s.device == "cuda" else "math"), "attention", ATTENTIONS)
+    if s.device == "cpu" and attention == "fused":
         raise ValueError("A CPU trains attention with dropout on the math path: use attention='math' with "
                          "device='cpu' (fused kernels are priced for CUDA).")
-    return Settings(micro_batch=micro_batch, size=size, accumulation=accumulation,
-                    checkpointing=_choice(checkpointing, "checkpointing", CHECKPOINTING),
-                    precision=_choice(precision, "precision", PRECISIONS),
-                    optimizer=optimizer, attention=attention, device=device, lora_rank=lora_rank,
-                    **flags)
+    return replace(s, micro_batch=micro_batch, size=size, accumulation=accumulation, attention=attention,
+                   checkpointing=_choice(s.checkpointing, "checkpointing", CHECKPOINTING),
+                   precision=_choice(s.precision, "precision", PRECISIONS), optimizer=normalize_optimizer(s.optimizer),
+                   lora_rank=int(s.lora_rank) if lora else None)
 
 
 def _units(model: ModelSpec, size: int) -> float:
@@ -251,7 +247,7 @@ def _at(c, u):
 def predict(model, gpu="RTX 3060 (12 GB)", **settings) -> Plan:
     """Predict one training step's peak GPU memory by category, and its time (see the module docstring).
 
-    ``settings``: the knobs of :func:`make_settings` (``micro_batch`` is required), e.g. ``attention``: 'fused' or
+    ``settings``: the fields of :class:`Settings` (``micro_batch`` is required), e.g. ``attention``: 'fused' or
     'math'; ``keep_outputs=False``: the loop drops the outputs before backward (``loss = model(...).loss``), freeing the
     logits; ``device='cpu'``: a CPU run (no overhead, the CPU's kernels, per-tensor Adam scratch), as the validation
     against ``measure_memory`` predicts; notebooks 08-09's toggles: ``offload_activations``, ``chunked_loss``,

@@ -66,8 +66,8 @@ def candidate_settings(base: Settings, gpu: GPUSpec, model):
 
 def cheapest_fit(model, gpu="RTX 3060 (12 GB)", *, host_gib=None, **settings) -> Recommendation:
     """The set of the course's techniques that fits ``gpu`` at the lowest predicted step time (see the module
-    docstring), keeping the effective batch (micro_batch x accumulation). ``settings``: the knobs of
-    :func:`.model.make_settings`; ``host_gib``: the host RAM a plan may use (its ``host_bytes``; default: no limit).
+    docstring), keeping the effective batch (micro_batch x accumulation). ``settings``: the fields of
+    :class:`.model.Settings`; ``host_gib``: the host RAM a plan may use (its ``host_bytes``; default: no limit).
     "Fits" means tensors + allocator reserve + CUDA context fit the card. Raises ValueError when nothing fits, saying
     what to change.
     """
