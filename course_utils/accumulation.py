@@ -90,7 +90,7 @@ def sweep_micro_batch_sizes(model: nn.Module, optimizer: torch.optim.Optimizer,
     if not micro_batch_sizes:
         raise ValueError("micro_batch_sizes is empty: pass e.g. [256, 128, 64].")
     for m in micro_batch_sizes:
-        if positive_int(m, "each micro-batch size") and n % m:
+        if n % positive_int(m, "each micro-batch size"):
             raise ValueError(f"Each micro-batch size must divide the batch of {n}; {m!r} does not.")
     rows = []
     for m in tqdm(micro_batch_sizes, desc="micro-batch sizes"):
