@@ -1,18 +1,13 @@
 """Mixed precision, measured (notebook 04): number formats, underflow/overflow, autocast's op table, the recipe per
-GPU, the AMP-step exercise checker. The training loops and the GradScaler log stay in the notebook."""
+GPU. The training loops, the GradScaler log and the AMP-step exercise's checker stay in the notebook."""
 from __future__ import annotations
 
-import functools
 import math
-import statistics
 from pathlib import Path
-from typing import Callable
 
 import torch
-from torch import nn
 
-from .accumulation import flat_params
-from .validation import callable_arg, float_tensor, positive_number
+from .validation import float_tensor, positive_number
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 _NAMES = {dtype: name for name, dtype in _DTYPES.items()}
@@ -151,108 +146,3 @@ def cpu_bf16_features(cpuinfo: str | Path = "/proc/cpuinfo") -> list[str] | None
     flags = {flag for line in lines if line.startswith(("flags", "Features"))  # x86 / ARM
              for flag in line.partition(":")[2].split()}
     return sorted(f for f in flags if "bf16" in f)
-
-
-EXERCISE_SCALE = 2.0**16     # GradScaler's default first scale
-EXERCISE_STEPS = 8
-EXERCISE_MAX_NORM = 0.25     # clip_grad_norm_'s max_norm in the exercise
-OVERFLOW_STEP = 3            # this batch's inputs are 1000x larger: its scaled gradients overflow fp16
-
-
-def _exercise_setup(device: torch.device):
-    """A small model, SGD and batches (identical every call); batch OVERFLOW_STEP overflows fp16."""
-    gen = torch.Generator().manual_seed(0)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 4)).to(device)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.3)
-    w = torch.randn(32, 4, generator=gen)
-    batches = []
-    for k in range(EXERCISE_STEPS):
-        x = torch.randn(64, 32, generator=gen)
-        y = (x @ w).argmax(-1)
-        batches.append(((x * 1e3 if k == OVERFLOW_STEP else x).to(device), y.to(device)))
-    return model, optimizer, batches
-
-
-@functools.lru_cache(maxsize=4)
-def _reference_run(device: str):
-    """Loss scaling done by hand (no GradScaler): the checker's reference weights and norms."""
-    import torch.nn.functional as F
-
-    device = torch.device(device)
-    model, optimizer, batches = _exercise_setup(device)
-    scale, norms = EXERCISE_SCALE, []
-    for x, y in batches:
-        optimizer.zero_grad(set_to_none=True)
-        with torch.amp.autocast(device.type, dtype=torch.float16):
-            loss = F.cross_entropy(model(x), y)
-        (loss * scale).backward()
-        grads = [p.grad for p in model.parameters()]
-        if all(bool(torch.isfinite(g).all()) for g in grads):
-            for g in grads:
-                g.mul_(1.0 / scale)
-            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), EXERCISE_MAX_NORM)))
-            optimizer.step()
-        else:              # overflow: skip the update, halve the scale
-            norms.append(math.inf)
-            scale *= 0.5
-    return flat_params(model), norms
-
-
-def check_amp_step(step_fn: Callable, *, device: torch.device | str = "cpu") -> bool:
-    """Run the learner's ``step_fn(model, optimizer, scaler, x, y, max_norm) -> (loss, norm)`` on 8 batches (the
-    4th overflows fp16) and compare with loss scaling done by hand; NotImplementedError propagates."""
-    from . import checks
-
-    callable_arg(step_fn, "step_fn", "your step function itself (amp_step)")
-    device = torch.device(device)
-    model, optimizer, batches = _exercise_setup(device)
-    scaler = torch.amp.GradScaler(device.type, init_scale=EXERCISE_SCALE, growth_interval=1000)
-    seen = []
-    hook = model[0].register_forward_hook(lambda mod, inp, out: seen.append(out.dtype))
-    norms, skip = [], {}
-    try:
-        for k, (x, y) in enumerate(batches):
-            before = flat_params(model)
-            try:
-                out = step_fn(model, optimizer, scaler, x, y, EXERCISE_MAX_NORM)
-            except NotImplementedError:
-                raise
-            except Exception as err:  # a wrong order of GradScaler's calls raises in PyTorch
-                print(f"✗ step {k + 1} raised {type(err).__name__}: {err}\n  GradScaler's calls must come in "
-                      "a fixed order within a step; the message names the call that came too early or too late.")
-                return False
-            if out is None or out is Ellipsis:
-                raise ValueError("Your step returned None: return (loss, norm), norm being what clip_grad_norm_ returned.")
-            if not (isinstance(out, (tuple, list)) and len(out) == 2):
-                print("✗ amp_step must return (loss, norm).")
-                return False
-            norms.append(float(out[1]))
-            if k == OVERFLOW_STEP:
-                after = flat_params(model)
-                skip = {"moved": not torch.equal(before, after), "finite": bool(torch.isfinite(after).all())}
-    finally:
-        hook.remove()
-    ref_w, ref_norms = _reference_run(str(device))
-    problems = []
-    if torch.float16 not in seen:
-        problems.append("the forward pass did not run in fp16: wrap the model and the loss in "
-                        "torch.amp.autocast(x.device.type, dtype=torch.float16).")
-    if skip["moved"] or not skip["finite"]:
-        problems.append(f"at step {OVERFLOW_STEP + 1} the scaled gradients overflowed, yet the weights changed"
-                        f"{'' if skip['finite'] else ' (to inf/NaN)'}: that step must be skipped. "
-                        "scaler.step(optimizer) skips it; optimizer.step() does not.")
-    ratios = [mine / ref for mine, ref in zip(norms, ref_norms) if math.isfinite(ref) and ref > 0]
-    median_ratio = statistics.median(ratios) if ratios else math.nan
-    if skip["finite"] and not abs(median_ratio - 1) <= 1e-3:  # NaN weights give NaN norms: reported above
-        why = (f" (of the order of the loss scale, {EXERCISE_SCALE:g}): clipping measured the scaled gradients"
-               if median_ratio > 100 else "")
-        problems.append(f"clip_grad_norm_ returned norms {median_ratio:.3g}x the true gradient norms{why}. "
-                        "Clip the gradients once they are back to their true size.")
-    for problem in problems:
-        print(f"✗ {problem}")
-    same = checks.check_exercise(f"weights after {EXERCISE_STEPS} steps match loss scaling done by hand",
-                                 flat_params(model), ref_w, rel_tol=1e-4,
-                                 hint="check the order of the scaler's calls and where clipping goes.")
-    return not problems and same

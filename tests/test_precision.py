@@ -1,12 +1,15 @@
 """Tests of course_utils.precision (notebook 04)."""
 import math
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from course_utils import precision as P
+from notebook_lessons import exec_lesson_cells
+
+NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "04_mixed_precision.ipynb"
 
 
 def test_format_table_matches_ieee():
@@ -105,7 +108,14 @@ def test_cpu_bf16_features(tmp_path):
     assert P.cpu_bf16_features(tmp_path / "missing") is None
 
 
-# ---------------------------------------------------------------- the exercise's checker
+# ---------------------------------------------------------------- the exercise's checker (the notebook's cell)
+@pytest.fixture(scope="module")
+def nb():
+    """The notebook's checker cell, exec'd alone: it imports what it uses."""
+    return exec_lesson_cells(NOTEBOOK, {"checker": lambda source, tags: "checker" in tags
+                                        and "def check_amp_step" in source}, {})
+
+
 def _step(*calls, autocast=True):
     """A training step whose calls after ``scaler.scale(loss).backward()`` come in the given order."""
     def step(model, optimizer, scaler, x, y, max_norm):
@@ -136,8 +146,8 @@ _no_update = _step("unscale_", "clip", "step")
 _fp32_forward = _step("unscale_", "clip", "step", "update", autocast=False)
 
 
-def test_check_amp_step_passes_the_right_order(capsys):
-    assert P.check_amp_step(_right)
+def test_check_amp_step_passes_the_right_order(nb, capsys):
+    assert nb["check_amp_step"](_right)
     assert "✓" in capsys.readouterr().out
 
 
@@ -149,32 +159,32 @@ def test_check_amp_step_passes_the_right_order(capsys):
     (_no_update, "raised RuntimeError"),
     (_fp32_forward, "fp16"),
 ])
-def test_check_amp_step_rejects_wrong_orders(wrong, says, capsys):
-    assert not P.check_amp_step(wrong)
+def test_check_amp_step_rejects_wrong_orders(nb, wrong, says, capsys):
+    assert not nb["check_amp_step"](wrong)
     assert says in capsys.readouterr().out
 
 
-def test_checker_rejects_counts_every_wrong_order():
+def test_checker_rejects_counts_every_wrong_order(nb):
     from course_utils import checks
 
-    assert checks.checker_rejects(P.check_amp_step, _clip_before_unscale, _update_before_step, _optimizer_step)
-    assert not checks.checker_rejects(P.check_amp_step, _clip_before_unscale, _right)
+    assert checks.checker_rejects(nb["check_amp_step"], _clip_before_unscale, _update_before_step, _optimizer_step)
+    assert not checks.checker_rejects(nb["check_amp_step"], _clip_before_unscale, _right)
 
 
-def test_the_overflow_is_real():
+def test_the_overflow_is_real(nb):
     """The injected batch overflows fp16 only once scaled: the hand-made reference skips exactly that step."""
-    _, norms = P._reference_run("cpu")
-    assert [k for k, n in enumerate(norms) if not math.isfinite(n)] == [P.OVERFLOW_STEP]
+    _, norms = nb["_reference_run"]("cpu")
+    assert [k for k, n in enumerate(norms) if not math.isfinite(n)] == [nb["OVERFLOW_STEP"]]
 
 
-def test_check_amp_step_bad_inputs():
+def test_check_amp_step_bad_inputs(nb):
     def todo(*args, **kwargs):
         raise NotImplementedError
 
     with pytest.raises(NotImplementedError):
-        P.check_amp_step(todo)
+        nb["check_amp_step"](todo)
     with pytest.raises(ValueError, match="returned None"):
-        P.check_amp_step(lambda *a: None)
+        nb["check_amp_step"](lambda *a: None)
     with pytest.raises(TypeError, match="function itself"):
-        P.check_amp_step(None)
-    assert not P.check_amp_step(lambda *a: 1.0)
+        nb["check_amp_step"](None)
+    assert not nb["check_amp_step"](lambda *a: 1.0)
