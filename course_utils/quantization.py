@@ -1,5 +1,5 @@
 """8-bit optimizer state (notebook 05): error metrics, state tables, bitsandbytes round trips, GPT-2 tensor
-sizes, the one-block quantizer checker. The quantizers are written in the notebook."""
+sizes. The quantizers and the exercise's checker are written in the notebook."""
 from __future__ import annotations
 
 import torch
@@ -7,7 +7,7 @@ from torch import nn
 
 from .estimate import BNB_BLOCKSIZE
 from .memory import _state_tensors, storage_key
-from .validation import callable_arg, float_tensor
+from .validation import float_tensor
 
 
 def error_metrics(x: torch.Tensor, x_hat: torch.Tensor) -> dict:
@@ -75,61 +75,3 @@ def gpt2_tensor_sizes(name: str = "gpt2-xl", **overrides) -> list[int]:
     # ln_f
     layer = [d, d, d * 3 * d, 3 * d, d * d, d, d, d, d * inner, inner, inner * d, d]
     return [config.vocab_size * d, config.n_positions * d] + layer * config.n_layer + [d, d]
-
-
-def check_block_quantizer(quantize_fn, dequantize_fn, block: torch.Tensor, code: torch.Tensor) -> bool:
-    """Check the learner's ``quantize_fn(block, code) -> (idx, absmax)`` (nearest code to value / absmax) and
-    ``dequantize_fn(idx, absmax, code)`` on a real block, each against the definition."""
-    from . import checks
-
-    for fn in (quantize_fn, dequantize_fn):
-        callable_arg(fn, "quantize_fn and dequantize_fn", "your two functions themselves (quantize_block, dequantize_block)")
-    block = float_tensor(block, "block", "one block of optimizer state").detach().float().flatten()
-    code = float_tensor(code, "code", "the 256 values of the map").detach().float().flatten().to(block.device)
-    if code.numel() != 256:
-        raise ValueError(f"code must hold the 256 values of an 8-bit map, not {code.numel()}.")
-    out = quantize_fn(block, code)
-    if out is None or out is Ellipsis:
-        raise ValueError("Your quantize_block returned None: return (idx, absmax).")
-    if not (isinstance(out, (tuple, list)) and len(out) == 2):
-        print("✗ quantize_block must return two things: (idx, absmax).")
-        return False
-    idx, absmax = out
-    if not isinstance(idx, torch.Tensor) or idx.dtype != torch.uint8 or idx.shape != block.shape:
-        got = f"{idx.dtype}, shape {tuple(idx.shape)}" if isinstance(idx, torch.Tensor) else type(idx).__name__
-        print(f"✗ idx should be a torch.uint8 tensor of shape {tuple(block.shape)} (one byte per value: an index "
-              f"into the 256 codes); got {got}.")
-        return False
-    ref_absmax = block.abs().max()
-    try:
-        absmax_value = float(absmax)
-    except (TypeError, ValueError, RuntimeError):
-        print(f"✗ absmax should be one number (a 0-d tensor), not {absmax!r}.")
-        return False
-    ok_absmax = checks.check_exercise("absmax of the block", absmax_value, float(ref_absmax), rel_tol=1e-6,
-                                      hint="the largest magnitude |x| in the block.")
-    dist = (block[:, None] / ref_absmax.clamp_min(1e-30) - code[None, :]).abs()
-    best = dist.min(dim=1).values
-    chosen = dist.gather(1, idx.long()[:, None]).squeeze(1)
-    nearest = float((chosen <= best + 1e-7).double().mean())
-    ok_idx = checks.check_exercise("share of values stored as their nearest code", nearest, 1.0,
-                                   hint="divide by absmax, then take the index of the closest code (not the "
-                                        "code just below or just above).")
-    ref_idx = dist.argmin(dim=1).to(torch.uint8)
-    x_hat = dequantize_fn(ref_idx, ref_absmax, code)
-    if not isinstance(x_hat, torch.Tensor) or x_hat.shape != block.shape:
-        print(f"✗ dequantize_block must return a tensor of shape {tuple(block.shape)}.")
-        return False
-    expected = code[ref_idx.long()] * ref_absmax
-    right = float(((x_hat.detach().float() - expected).abs() <= 1e-6 * ref_absmax).double().mean())
-    ok_deq = checks.check_exercise("share of values dequantized right", right, 1.0,
-                                   hint="look up each index in the code, then undo the division by absmax.")
-    try:
-        import bitsandbytes.functional as BF
-
-        bnb_idx, _ = BF.quantize_blockwise(block.contiguous(), code=code, blocksize=block.numel())
-        print(f"bitsandbytes' quantize_blockwise picks the same index as yours for "
-              f"{float((bnb_idx.flatten() == idx).double().mean()):.1%} of the values")
-    except Exception:  # noqa: BLE001 - only an illustration: no bitsandbytes, or a block size it does not take
-        pass
-    return ok_absmax and ok_idx and ok_deq

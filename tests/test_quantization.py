@@ -1,4 +1,4 @@
-"""Tests of course_utils.quantization (notebook 05)."""
+"""Tests of course_utils.quantization and of notebook 05's own quantizers and exercise checker (run from its cells)."""
 import json
 import math
 from pathlib import Path
@@ -10,6 +10,8 @@ from torch import nn
 
 from course_utils import estimate, memory, models
 from course_utils import quantization as Q
+
+from notebook_lessons import exec_lesson_cells
 
 NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "05_8bit_adam.ipynb"
 
@@ -159,7 +161,14 @@ def test_gpt2_tensor_sizes():
         Q.gpt2_tensor_sizes("gpt5")
 
 
-# ---------------------------------------------------------------- the exercise's checker
+# ---------------------------------------------------------------- the exercise's checker (the notebook's cell)
+@pytest.fixture(scope="module")
+def check_block_quantizer():
+    """The checker exactly as the notebook's hidden checker cell defines it, exec'd alone."""
+    lesson = {"checker": lambda source, tags: "checker" in tags and "def check_block_quantizer" in source}
+    return exec_lesson_cells(NOTEBOOK, lesson, {})["check_block_quantizer"]
+
+
 def _code():
     import bitsandbytes.functional as BF
 
@@ -182,8 +191,8 @@ def _dequantize(idx, absmax, code):
     return code[idx.long()] * absmax
 
 
-def test_check_block_quantizer_passes_a_right_answer(capsys):
-    assert Q.check_block_quantizer(_quantize, _dequantize, _block(), _code())
+def test_check_block_quantizer_passes_a_right_answer(check_block_quantizer, capsys):
+    assert check_block_quantizer(_quantize, _dequantize, _block(), _code())
     out = capsys.readouterr().out
     assert "✗" not in out and "bitsandbytes' quantize_blockwise picks the same index as yours" in out
 
@@ -215,33 +224,33 @@ def _mean_not_max(block, code):
     (_quantize, lambda idx, absmax, code: code[idx.long()], "dequantized right"),
     (_quantize, lambda idx, absmax, code: code[idx.long()][:10] * absmax, "shape"),
 ])
-def test_check_block_quantizer_rejects_wrong_answers(quantize, dequantize, says, capsys):
-    assert not Q.check_block_quantizer(quantize, dequantize, _block(), _code())
+def test_check_block_quantizer_rejects_wrong_answers(check_block_quantizer, quantize, dequantize, says, capsys):
+    assert not check_block_quantizer(quantize, dequantize, _block(), _code())
     assert says in capsys.readouterr().out
 
 
-def test_checker_rejects_counts_every_wrong_answer():
+def test_checker_rejects_counts_every_wrong_answer(check_block_quantizer):
     from course_utils import checks
 
-    check = lambda fns: Q.check_block_quantizer(*fns, _block(), _code())  # noqa: E731
+    check = lambda fns: check_block_quantizer(*fns, _block(), _code())  # noqa: E731
     assert checks.checker_rejects(check, (_code_above, _dequantize), (_linear_int8, _dequantize))
     assert not checks.checker_rejects(check, (_code_above, _dequantize), (_quantize, _dequantize))
 
 
-def test_check_block_quantizer_bad_inputs():
+def test_check_block_quantizer_bad_inputs(check_block_quantizer):
     block, code = _block(), _code()
     with pytest.raises(ValueError, match="None"):
-        Q.check_block_quantizer(lambda b, c: None, _dequantize, block, code)
+        check_block_quantizer(lambda b, c: None, _dequantize, block, code)
     with pytest.raises(TypeError, match="functions themselves"):
-        Q.check_block_quantizer(None, _dequantize, block, code)
+        check_block_quantizer(None, _dequantize, block, code)
     with pytest.raises(ValueError, match="256"):
-        Q.check_block_quantizer(_quantize, _dequantize, block, code[:16])
+        check_block_quantizer(_quantize, _dequantize, block, code[:16])
     with pytest.raises(TypeError, match="floating"):
-        Q.check_block_quantizer(_quantize, _dequantize, block.long(), code)
-    assert not Q.check_block_quantizer(lambda b, c: b, _dequantize, block, code)
+        check_block_quantizer(_quantize, _dequantize, block.long(), code)
+    assert not check_block_quantizer(lambda b, c: b, _dequantize, block, code)
 
     def todo(*args):
         raise NotImplementedError
 
     with pytest.raises(NotImplementedError):
-        Q.check_block_quantizer(todo, _dequantize, block, code)
+        check_block_quantizer(todo, _dequantize, block, code)
