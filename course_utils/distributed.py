@@ -1,17 +1,14 @@
 """Beyond one GPU (notebook 07): ZeRO per-rank bytes (2 + 2 + 12 bytes per parameter, Rajbhandari et al. 2019),
-the GPipe bubble (p - 1) / (m + p - 1), the row-parallel exercise's checker.
-The multi-process workers are written in the notebook."""
+the GPipe bubble (p - 1) / (m + p - 1). The multi-process workers and the row-parallel exercise's checker are
+written in the notebook."""
 from __future__ import annotations
 
 import itertools
 import math
 from dataclasses import asdict, dataclass
 
-import torch
-import torch.nn.functional as F
-
 from .units import GIB
-from .validation import callable_arg, positive_int
+from .validation import positive_int
 
 ZERO_STAGES = (0, 1, 2, 3)
 STAGE_LABELS = {0: "DDP (nothing sharded)", 1: "ZeRO-1 (optimizer sharded)", 2: "ZeRO-2 (+ gradients)",
@@ -117,36 +114,3 @@ def plot_pipeline_schedule(p: int, m: int, *, ax=None):
     ax.set_title(f"GPipe, p={p} stages, m={m} micro-batches: bubble = {bubble_fraction(p, m):.0%}")
     return ax
 
-
-def check_row_parallel(fn) -> bool:
-    """Check ``fn(x, weight, bias, n_ranks) -> (partials, y)``, a row-parallel Linear on simulated ranks, against
-    ``F.linear`` for 2 and 4 ranks; partials exclude the bias, y adds it once. Prints a verdict, returns a bool."""
-    callable_arg(fn, "fn", "your function (x, weight, bias, n_ranks) -> (partials, y)")
-    gen = torch.Generator().manual_seed(0)
-    for n in (2, 4):
-        x, weight, bias = (torch.randn(*shape, generator=gen) for shape in ((8, 12), (6, 12), (6,)))
-        try:
-            partials, y = fn(x, weight, bias, n)
-            partials = list(partials)
-        except NotImplementedError:
-            raise
-        except Exception as err:  # noqa: BLE001 - a wrong split usually fails on a shape: a verdict, not a crash
-            print(f"✗ row-parallel Linear on {n} ranks: your function raised {type(err).__name__}: {err}")
-            return False
-        if len(partials) != n:
-            print(f"✗ {n} ranks: expected {n} partial products (one per rank), got {len(partials)}.")
-            return False
-        wanted = [xr @ wr.T for xr, wr in zip(x.chunk(n, dim=1), weight.chunk(n, dim=1))]
-        verdicts = [(f"rank {r}'s partial product", part, want,
-                     "rank r multiplies its block of x's features by its block of weight's columns (no bias yet).")
-                    for r, (part, want) in enumerate(zip(partials, wanted))]
-        verdicts.append(("the output after the all-reduce", y, F.linear(x, weight, bias),
-                         "sum the partials (that is what all_reduce does), then add the bias once."))
-        for name, got, want, hint in verdicts:
-            try:
-                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-            except (AssertionError, TypeError) as err:  # a wrong shape, wrong values or not a tensor
-                print(f"✗ {n} ranks, {name}: {err}\nHint: {hint}")
-                return False
-    print("✓ row-parallel Linear: every rank's partial product and the all-reduced output are right, on 2 and 4 ranks.")
-    return True

@@ -1,6 +1,6 @@
-"""Tests of course_utils.distributed (ZeRO and pipeline arithmetic, the exercise's check) and of the
+"""Tests of course_utils.distributed (ZeRO and pipeline arithmetic), of the exercise's checker and of the
 worker scripts notebook 07 writes with ``%%writefile``: the tests take those cells from the notebook
-itself and run them on 2 real processes (gloo, CPU) through the course's launcher.
+itself (the checker is exec'd; the workers run on 2 real processes, gloo, CPU, through the course's launcher).
 """
 import json
 import math
@@ -14,6 +14,7 @@ from torch import nn
 from course_tools.launcher import launch
 from course_utils import distributed as D
 from course_utils.models import mlp
+from notebook_lessons import exec_lesson_cells
 
 NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "07_beyond_one_gpu.ipynb"
 
@@ -117,7 +118,13 @@ def test_plots_draw():
     plt.close("all")
 
 
-# ----------------------------------------------------------------------------- the exercise's check
+# ----------------------------------------------------------------------------- the exercise's checker (notebook cell)
+@pytest.fixture(scope="module")
+def check_row_parallel():
+    checker = {"checker": lambda source, tags: "checker" in tags and "def check_row_parallel" in source}
+    return exec_lesson_cells(NOTEBOOK, checker, {})["check_row_parallel"]
+
+
 def _partials(x, weight, n):
     return [xr @ wr.T for xr, wr in zip(x.chunk(n, dim=1), weight.chunk(n, dim=1))]
 
@@ -146,25 +153,25 @@ def one_rank_only(x, weight, bias, n):
     return [x @ weight.T], x @ weight.T + bias
 
 
-def test_check_row_parallel_accepts_the_right_layer(capsys):
-    assert D.check_row_parallel(row_parallel) is True
+def test_check_row_parallel_accepts_the_right_layer(check_row_parallel, capsys):
+    assert check_row_parallel(row_parallel) is True
     assert "✓" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("wrong", [concatenates, bias_on_every_rank, splits_the_outputs, one_rank_only])
-def test_check_row_parallel_rejects_plausible_mistakes(wrong, capsys):
-    assert D.check_row_parallel(wrong) is False
+def test_check_row_parallel_rejects_plausible_mistakes(check_row_parallel, wrong, capsys):
+    assert check_row_parallel(wrong) is False
     assert "✗" in capsys.readouterr().out
 
 
-def test_check_row_parallel_unfilled_stub_and_bad_input():
+def test_check_row_parallel_unfilled_stub_and_bad_input(check_row_parallel):
     def stub(x, weight, bias, n):
         raise NotImplementedError
 
     with pytest.raises(NotImplementedError):
-        D.check_row_parallel(stub)
+        check_row_parallel(stub)
     with pytest.raises(TypeError, match="your function"):
-        D.check_row_parallel("row_parallel")
+        check_row_parallel("row_parallel")
 
 
 # ----------------------------------------------------------------------------- the notebook's workers
