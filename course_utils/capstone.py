@@ -2,8 +2,8 @@
 
 The lesson (the two-copy step, the flat master copy, the gradient-streaming hook) is written in notebook 06's
 cells, after "How to fine tune VERY large model if it doesn't fit on your GPU"; the sections below hold what those
-cells use: the device copy's format, CPU optimizers, copy engines, the exercise checker, the fake-tensor GPU peak,
-PCIe arithmetic, checkpoints that resume bit-for-bit, and the offline corpus, tokenizers, batches and sampling.
+cells use: the device copy's format, CPU optimizers, copy engines, the fake-tensor GPU peak, PCIe arithmetic,
+checkpoints that resume bit-for-bit, and the offline corpus, tokenizers, batches and sampling.
 """
 from __future__ import annotations
 
@@ -138,54 +138,6 @@ class CpuCopyEngine:
 def copy_engine(device) -> CudaCopyEngine | CpuCopyEngine:
     """The copy engine for a device model on ``device``: CUDA's side stream, or its CPU twin."""
     return CudaCopyEngine(device) if torch.device(device).type == "cuda" else CpuCopyEngine()
-
-
-# ---- the exercise checker: the two-copy step -------------------------------------------------
-def check_two_copy_step(step_fn: Callable) -> bool:
-    """Check a learner's ``two_copy_step(device_params, master_params, optimizer, scale) -> bool`` on real tensors
-    (fp16 device copy, fp32 master with SGD, scale 2**10): finite gradients (one parameter without), an inf gradient
-    (nothing changes, False), gradients already on the master (streaming); device gradients must end as None, master
-    gradients zero. Prints what went wrong; a stub's ``NotImplementedError`` propagates (the notebook: "fill in")."""
-    callable_arg(step_fn, "step_fn", "your two_copy_step function itself")
-    scale, lr, shapes, problems = 2.0**10, 0.5, [(3, 4), (5,), (2,)], []
-    for label, seed, on_device, overflow in (("finite gradients", 1, True, False),
-                                             ("an fp16 overflow (inf gradient)", 2, True, True),
-                                             ("streamed gradients (already on the master)", 3, False, False)):
-        gen = torch.Generator().manual_seed(seed)
-        weights = [torch.randn(s, generator=gen) for s in shapes]  # the fp32 checkpoint
-        grads = [torch.randn(s, generator=gen) * 1e-2 for s in shapes[:2]] + [torch.zeros(shapes[2])]
-        device = [nn.Parameter(w.to(torch.float16)) for w in weights]
-        master = [nn.Parameter(w.clone()) for w in weights]
-        for m, g in zip(master, grads):
-            m.grad = torch.zeros_like(m) if on_device else g * scale
-        if on_device:  # the third parameter has no gradient: the loss did not use it
-            for p, g in zip(device[:2], grads):
-                p.grad = (g * scale).to(torch.float16)
-            grads = [p.grad.float() / scale for p in device[:2]] + grads[2:]
-            if overflow:
-                device[1].grad[0] = float("inf")
-        expected = [w if overflow else w - lr * g for w, g in zip(weights, grads)]
-        try:
-            stepped = step_fn(device, master, torch.optim.SGD(master, lr=lr), scale)
-        except NotImplementedError:
-            raise
-        except Exception as err:  # the learner's code: say what broke, do not crash the notebook
-            problems.append(f"with {label} it raised {type(err).__name__}: {err}")
-            continue
-        if stepped is None or bool(stepped) != (not overflow):
-            problems.append(f"with {label} it returned {stepped!r}, expected {not overflow}")
-        for what, got, want, hint in (
-                ("master weights", master, expected, "master - lr * grad / scale"),
-                ("device weights", device, [e.to(torch.float16) for e in expected], "the new master weights in fp16")):
-            if not all(torch.allclose(g.detach().float(), w.float(), rtol=1e-5, atol=1e-6) for g, w in zip(got, want)):
-                problems.append(f"with {label} the {what} are wrong (expected {'unchanged' if overflow else hint})")
-        if any(p.grad is not None and bool(p.grad.any()) for p in device):
-            problems.append(f"with {label} the device gradients were left behind (set them to None)")
-        if any(m.grad is not None and bool(m.grad.any()) for m in master):
-            problems.append(f"with {label} the master gradients were not zeroed for the next step")
-    print("✓ two_copy_step: correct with finite gradients, an overflow, and streamed gradients." if not problems
-          else "✗ two_copy_step: " + "; ".join(problems) + ".")
-    return not problems
 
 
 # ---- the GPU peak, predicted with fake tensors, and the micro-batch that fits a card ---------

@@ -1,5 +1,5 @@
-"""Tests of notebook 06's lesson code (the two-copy step, the trainers, the streaming hook) and of
-course_utils.capstone (precision rule, copy engines, exercise checker, micro-batch rule, fake-tensor
+"""Tests of notebook 06's lesson code (the two-copy step, the trainers, the streaming hook, the exercise's
+checker) and of course_utils.capstone (precision rule, copy engines, micro-batch rule, fake-tensor
 prediction, checkpoints, data).
 
 The lesson lives in the notebook: the tests exec the notebook's own cells (found by what they
@@ -18,11 +18,13 @@ import torch
 
 from course_utils import capstone, checks, hardware, models
 from course_utils.checks import claim
+from notebook_lessons import exec_lesson_cells
 
 NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "06_capstone_gpt2_xl.ipynb"
 LESSON = {  # a name the notebook defines -> which of its code cells defines it
     "LossScale": lambda src, tags: src.startswith("class LossScale"),
-    "two_copy_step": lambda src, tags: "solution" in tags and "def two_copy_step" in src,
+    "check_two_copy_step": lambda src, tags: "checker" in tags and "def check_two_copy_step" in src,
+    "two_copy_step": lambda src, tags: "solution" in tags and "def two_copy_step" in src,  # runs the checker
     "TwoCopyTrainer": lambda src, tags: src.startswith("class TwoCopyTrainer"),  # with flat_master
     "StreamedTrainer": lambda src, tags: src.startswith("class StreamedTrainer"),
     "Adam8bitCPU": lambda src, tags: src.startswith("def encode(") and "class Adam8bitCPU" in src,
@@ -48,6 +50,13 @@ def lesson() -> dict:
     assert sorted(found) == sorted(LESSON), f"notebook 06 should define each of {sorted(LESSON)} once, found {found}"
     assert callable(ns.get("flat_master")), "notebook 06's trainer cell should define flat_master"
     return ns
+
+
+@functools.lru_cache(maxsize=1)
+def checker():
+    """The exercise's checker, from the notebook's hidden `checker` cell run alone (it imports what it uses)."""
+    picks = {"checker": LESSON["check_two_copy_step"]}
+    return exec_lesson_cells(NOTEBOOK, picks, {})["check_two_copy_step"]
 
 
 def tiny(dtype=torch.float32, dropout=0.0, seed=0):
@@ -363,8 +372,8 @@ def test_cuda_copy_engine_streams_the_same_update_as_the_cpu_twin():
 
 # ----------------------------------------------------------------------------------------------- the exercise
 def test_exercise_checker_accepts_the_solution_and_rejects_mistakes():
-    step = lesson()["two_copy_step"]
-    assert capstone.check_two_copy_step(step) is True
+    step, check = lesson()["two_copy_step"], checker()
+    assert check(step) is True
 
     def no_unscale(d, m, opt, scale):
         return step(d, m, opt, 1.0)
@@ -395,24 +404,26 @@ def test_exercise_checker_accepts_the_solution_and_rejects_mistakes():
             x.grad.zero_()  # overwrites what streaming put there
         return step(d, m, opt, scale)
 
-    assert checks.checker_rejects(capstone.check_two_copy_step, no_unscale, never_skips, no_copy_back,
+    assert checks.checker_rejects(check, no_unscale, never_skips, no_copy_back,
                                   keeps_master_grads, ignores_streamed_grads)
 
 
 def test_exercise_checker_reports_and_propagates_the_stub(capsys):
+    check = checker()
+
     def stub(d, m, opt, scale):
         raise NotImplementedError
 
     with pytest.raises(NotImplementedError):
-        capstone.check_two_copy_step(stub)
+        check(stub)
 
     def broken(d, m, opt, scale):
         raise KeyError("oops")
 
-    assert capstone.check_two_copy_step(broken) is False
+    assert check(broken) is False
     assert "raised KeyError" in capsys.readouterr().out
     with pytest.raises(TypeError, match="function"):
-        capstone.check_two_copy_step("two_copy_step")
+        check("two_copy_step")
 
 
 # ----------------------------------------------------------------------------------------------- the package
