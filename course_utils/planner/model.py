@@ -54,7 +54,6 @@ LORA_WIDTHS_PER_BLOCK = 16  # r x (d + 3d) + r x 2d + r x 5d + r x 5d: GPT-2's c
 # The CPU optimizer's step, ns per parameter, until notebook 08 records the learner's own (presets.json's cpu_step)
 CPU_STEP_REFERENCE = {name: d["reference_ns"] for name, d in presets()["cpu_step"].items()}
 CPU_STEP_NOTEBOOK = "08_current_toolbox"
-_STATE_BYTES = {"sgd": 0, "sgd_momentum": 4, "adam": 8, "adamw": 8, "adam8bit": 2}  # per parameter, about
 
 CATEGORIES = MEMORY_CATEGORIES + ("overhead",)  # what measure_memory reports, plus the card's overhead
 CHECKPOINTING = ("none", "block", "sqrt")
@@ -116,10 +115,7 @@ def cpu_step_ns(cpu_optimizer: str) -> tuple[float, str]:
     recorded it (results under the course home), else the reference figure."""
     if cpu_optimizer not in CPU_STEP_REFERENCE:
         raise ValueError(f"Unknown CPU optimizer {cpu_optimizer!r}; choose one of {list(CPU_STEP_REFERENCE)}.")
-    try:
-        entry = load_notebook(CPU_STEP_NOTEBOOK).get(presets()["cpu_step"][cpu_optimizer]["recorded_as"]) or {}
-    except (OSError, ValueError):
-        entry = {}
+    entry = load_notebook(CPU_STEP_NOTEBOOK).get(presets()["cpu_step"][cpu_optimizer]["recorded_as"]) or {}
     value = entry.get("value")
     if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
         return float(value), f"measured on this machine by notebook {CPU_STEP_NOTEBOOK} ({entry.get('profile')})"
@@ -311,7 +307,7 @@ def predict_settings(model: ModelSpec, gpu: GPUSpec, s: Settings) -> Plan:
     g_all = n_train * gw
     # fused update, streamed gradients: one tensor's gradient, and a tied embedding's (complete only when backward
     # reaches the embedding)
-    g_one = [gw * adapter if lora else model.largest_in_block(i) * w for i in range(nb)]
+    g_one = [gw * adapter if lora else model.block_largest[i] * w for i in range(nb)]
     tied = model.largest_tensor * w if model.output_per_unit and not lora else 0
     adam = not s.master_on_cpu and s.optimizer in ("adam", "adamw")
     per_tensor_scratch = (4 if s.device == "cuda" else 8) if adam else 0  # fp32 values per element: CUDA 1, CPU 2
@@ -357,15 +353,15 @@ def predict_settings(model: ModelSpec, gpu: GPUSpec, s: Settings) -> Plan:
     tensor_peak = sum(by_cat.values())
     by_cat["overhead"] = gpu_bytes_needed(tensor_peak) - tensor_peak if s.device == "cuda" else 0
     notes = []
-    if model.has_attention:
+    if any(key.startswith("cuda-") for key in model.acts):  # measured with attention
         notes.append("attention: " + ("PyTorch's fused SDPA kernel (flash for fp16/bf16, memory-efficient for fp32): "
                                       "no T x T tensors" if s.attention == "fused" else
                                       "math path (T x T probabilities, dropout mask and dropped probabilities kept)"))
     if s.master_on_cpu:
         ns, source = cpu_step_ns(s.cpu_step_optimizer)
         notes.append(f"CPU optimizer step: {s.cpu_step_optimizer}, {ns:.2f} ns/parameter ({source})")
-    state = _STATE_BYTES[s.optimizer]
-    host = int((n * (4 + 4 + state) if s.master_on_cpu else 0) + n * w * s.stream_weights + a["saved"] * off)
+    host_state = 8 * n + optimizer_state_bytes(n, s.optimizer) if s.master_on_cpu else 0  # fp32 master + grads
+    host = int(host_state + n * w * s.stream_weights + a["saved"] * off)
     if host:  # not on the card, but the machine must have it
         notes.append(f"host RAM: {host / GIB:.1f} GiB (fp32 master weights, gradients and optimizer state on the CPU, "
                      "streamed weights, offloaded activations)")
@@ -397,11 +393,11 @@ def step_seconds(model: ModelSpec, gpu: GPUSpec, s: Settings) -> float:
         pcie = (n * w * grad_trips + n * w) / (gpu.pcie_gbs * 1e9)
         opt = pcie + n * cpu_step_ns(s.cpu_step_optimizer)[0] * 1e-9
     else:
-        state = _STATE_BYTES[s.optimizer]
-        if s.lora_rank is not None:
-            touched = lora_params(model, s.lora_rank) * (4 + 4 + 2 * state)
+        if s.lora_rank is not None:  # the weights and gradients, the state read and written
+            n_lora = lora_params(model, s.lora_rank)
+            touched = 8 * n_lora + 2 * optimizer_state_bytes(n_lora, s.optimizer)
         else:
-            touched = n * (2 * w + 2 * state + (8 if w == 2 else 0))
+            touched = n * (2 * w + (8 if w == 2 else 0)) + 2 * optimizer_state_bytes(n, s.optimizer)
         opt = touched / (gpu.mem_bandwidth_gbs * 1e9)
     # side-stream copies beside compute: only the part longer than compute shows
     copies = s.accumulation * (2 * _activations(model, s)["saved"] * s.offload_activations

@@ -118,6 +118,7 @@ class ModelSpec:
     name: str
     n_params: int
     block_params: tuple  # parameters of each block
+    block_largest: tuple  # numel of each block's largest parameter
     largest_tensor: int  # numel of the largest parameter tensor
     acts: dict  # pricing -> precision kind -> ActCoeffs
     output_per_unit: float  # elements of the model's output (logits) per sample per unit u
@@ -126,10 +127,6 @@ class ModelSpec:
     ref_size: int = 1  # reference image size for vision models (u = (size/ref)**2)
     default_size: int = 1  # default sequence length or image size
     max_size: int | None = None  # longest sequence the model reads (transformers)
-    block_largest: tuple = ()  # numel of each block's largest parameter (default: the whole block)
-
-    def largest_in_block(self, i: int) -> int:
-        return self.block_largest[i] if self.block_largest else self.block_params[i]
 
     @property
     def hidden_size(self) -> int:
@@ -143,10 +140,6 @@ class ModelSpec:
     @property
     def head_params(self) -> int:
         return self.n_params - sum(self.block_params)
-
-    @property
-    def has_attention(self) -> bool:
-        return any(key.startswith("cuda-") for key in self.acts)
 
     def coeffs(self, device: str, attention: str, kind: str) -> ActCoeffs:
         """The coefficients for a device ('cuda' or 'cpu'), an attention ('math' or 'fused') and a kind."""
@@ -180,7 +173,7 @@ def custom_model(n_params: int, activation_bytes_per_sample: float, *, n_blocks:
                          largest=((a / 4, 0.0),) * n_blocks, head=(0.0, 0.0))
 
     return ModelSpec(name=name, n_params=n_params, block_params=(n_params // n_blocks,) * n_blocks,
-                     largest_tensor=max(n_params // n_blocks, 1),
+                     largest_tensor=max(n_params // n_blocks, 1), block_largest=(n_params // n_blocks,) * n_blocks,
                      acts={"any": {"fp32": coeffs(1.0), "amp": coeffs(0.5), "half": coeffs(0.5)}},
                      output_per_unit=0.0, fwd_flops_per_unit=2.0 * n_params, unit="sample")
 
