@@ -215,8 +215,7 @@ def make_settings(model: ModelSpec, **knobs) -> Settings:
     if lora and s.master_on_cpu:
         raise ValueError("With LoRA only the small adapters train and their optimizer stays on the GPU: set "
                          "master_on_cpu=False (and stream_grads, stream_weights False), or lora_rank=None.")
-    if s.device not in ("cuda", "cpu"):
-        raise ValueError(f"device must be 'cuda' or 'cpu', not {s.device!r}.")
+    _choice(s.device, "device", ("cuda", "cpu"))
     attention = _choice(s.attention or ("fused" if s.device == "cuda" else "math"), "attention", ATTENTIONS)
     if s.device == "cpu" and attention == "fused":
         raise ValueError("A CPU trains attention with dropout on the math path: use attention='math' with "
@@ -243,11 +242,8 @@ def _at(c, u):
 def predict(model, gpu="RTX 3060 (12 GB)", **settings) -> Plan:
     """Predict one training step's peak GPU memory by category, and its time (see the module docstring).
 
-    ``settings``: the fields of :class:`Settings` (``micro_batch`` is required), e.g. ``attention``: 'fused' or
-    'math'; ``keep_outputs=False``: the loop drops the outputs before backward (``loss = model(...).loss``), freeing the
-    logits; ``device='cpu'``: a CPU run (no overhead, the CPU's kernels, per-tensor Adam scratch), as the validation
-    against ``measure_memory`` predicts; notebooks 08-09's toggles: ``offload_activations``, ``chunked_loss``,
-    ``fused_update``, ``lora_rank``, ``stream_weights``.
+    ``settings``: the fields of :class:`Settings` (``micro_batch`` is required); ``device='cpu'`` predicts a CPU run
+    (no overhead, the CPU's kernels, per-tensor Adam scratch), as the validation against ``measure_memory`` does.
     """
     model = get_model(model)
     return predict_settings(model, get_gpu(gpu), make_settings(model, **settings))
@@ -346,10 +342,8 @@ def predict_settings(model: ModelSpec, gpu: GPUSpec, s: Settings) -> Plan:
         scratch = 4 * n_train if s.device == "cuda" else 8 * (adapter if lora else model.largest_tensor)
         phases["in optimizer.step()"] = dict(grads=g_all, activations=0, other=scratch if adam else 0)
     phase = max(phases, key=lambda k: sum(phases[k].values()))
-    dyn = phases[phase]
-    by_cat = {"params": params, "grads": dyn["grads"], "optimizer": optimizer,
-              "activations": dyn["activations"], "other": dyn["other"]}
-    by_cat = {k: int(round(v)) for k, v in by_cat.items()}
+    parts = dict(params=params, optimizer=optimizer, **phases[phase])
+    by_cat = {k: int(round(parts[k])) for k in MEMORY_CATEGORIES}
     tensor_peak = sum(by_cat.values())
     by_cat["overhead"] = gpu_bytes_needed(tensor_peak) - tensor_peak if s.device == "cuda" else 0
     notes = []
@@ -379,11 +373,10 @@ def step_seconds(model: ModelSpec, gpu: GPUSpec, s: Settings) -> float:
     flops *= (6 - 2 * (s.lora_rank is not None) + 2 * (s.checkpointing != "none")) / 6
     if s.chunked_loss:  # each chunk's logits again in backward
         flops += 2 * model.output_per_unit * model.hidden_size * u * samples
-    half = s.precision != "fp32"
     if s.precision.startswith("bf16") and not gpu.bf16:
         tflops = gpu.fp32_tflops / 4  # emulated bf16 (a T4 says it supports bf16: slowly)
     else:
-        tflops = gpu.half_tflops if half else gpu.fp32_tflops
+        tflops = gpu.fp32_tflops if s.precision == "fp32" else gpu.half_tflops
     compute = flops / (tflops * 1e12 * MFU)
     compute *= 1 + SMALL_BATCH_PENALTY * math.log2(s.accumulation)
     n = model.n_params

@@ -1,9 +1,6 @@
-"""What the planner knows about GPUs and models: the presets in ``presets.json``, and your own.
-
-``presets.json`` (package data) holds every figure: each GPU's memory, speeds and PCIe link (its speed comes from
-``course_utils.hardware.PCIE_GB_PER_S``, the course's one PCIe table), and each model's parameter counts and activation
-coefficients, measured as :mod:`.measure` describes (``tests/test_planner.py`` re-measures a sample of them).
-"""
+"""What the planner knows about GPUs and models: the presets in ``presets.json`` (package data: each GPU's memory,
+speeds and PCIe link; each model's parameter counts and activation coefficients, measured as :mod:`.measure`
+describes), and your own."""
 from __future__ import annotations
 
 import json
@@ -27,11 +24,8 @@ def presets() -> dict:
 
 @dataclass(frozen=True)
 class GPUSpec:
-    """A GPU: memory as nvidia-smi reports it, and the speeds the time model uses (defaults: an RTX 3060's).
-
-    ``pcie`` names the host link (a key of ``hardware.PCIE_GB_PER_S``); copies between pinned host memory and the GPU
-    run at ``hardware.PCIE_EFFICIENCY`` of the link's rate (:attr:`pcie_gbs`).
-    """
+    """A GPU: memory as nvidia-smi reports it, and the speeds the time model uses (defaults: an RTX 3060's); ``pcie``
+    names the host link (a key of ``hardware.PCIE_GB_PER_S``)."""
 
     name: str
     memory_bytes: int
@@ -47,7 +41,7 @@ class GPUSpec:
 
     @property
     def pcie_gbs(self) -> float:
-        """Host <-> device copy speed the time model uses, GB/s."""
+        """Host <-> device copy speed the time model uses, GB/s: pinned copies reach PCIE_EFFICIENCY of the link."""
         return PCIE_GB_PER_S[self.pcie] * PCIE_EFFICIENCY
 
 
@@ -108,12 +102,8 @@ class ActCoeffs:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """What the planner needs to know about a model.
-
-    ``acts[pricing][kind]``: the activation coefficients. ``pricing`` says whose kernels they describe: 'cpu',
-    'cuda-math' / 'cuda-fused' (transformers), 'cuda' (models without attention) or 'any' (a model you describe).
-    ``kind``: 'fp32' (fp32 weights), 'amp' (fp32 weights under autocast), 'half' (fp16/bf16 weights).
-    """
+    """What the planner needs to know about a model; ``acts[pricing][kind]`` as :mod:`.measure` describes (pricing
+    'any': a model you describe)."""
 
     name: str
     n_params: int

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from ..units import GIB, MIB
 from .model import Plan, predict
 from .search import cheapest_fit
-from .specs import custom_gpu, custom_model, get_model, gpu_presets, presets
+from .specs import custom_model, get_model, gpu_presets, presets
 
 CUSTOM_MODEL = "custom (parameters + activations)"
 CUSTOM_GPU = "custom GPU (GiB below)"
@@ -79,8 +79,7 @@ def render(*, model="gpt2-xl", gpu="RTX 3060 (12 GB)", custom_gpu_gib=8, custom_
             spec = custom_model(int(custom_params_m * 1e6), custom_act_mib * MIB)
         else:
             spec = get_model(LABELS["model"].get(model, model))
-        if gpu == CUSTOM_GPU:
-            gpu = custom_gpu(custom_gpu_gib, name=f"custom GPU ({custom_gpu_gib:g} GiB)")
+        gpu = custom_gpu_gib if gpu == CUSTOM_GPU else gpu  # get_gpu(GiB) names it "custom GPU (8 GiB)"
         kwargs = {k: LABELS.get(k, {}).get(v, v) for k, v in settings.items()}
         plan = predict(spec, gpu, lora_rank=lora_rank or None, **kwargs)
         rec = None
