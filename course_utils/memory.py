@@ -87,16 +87,10 @@ def optimizer_state_bytes(optimizer) -> int:
     return tensor_bytes(*_state_tensors(optimizer))
 
 
-def _training_state_bytes(model, optimizer, device: torch.device) -> int:
-    """Parameters, buffers, gradients present and optimizer state on ``device``'s type, each storage once."""
-    tensors = []
-    if model is not None:
-        params = list(model.parameters())
-        tensors += params + list(model.buffers()) + [p.grad for p in params if p.grad is not None]
-    if optimizer is not None:
-        tensors += [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        tensors += _state_tensors(optimizer)
-    return tensor_bytes(*(t for t in tensors if t.device.type == device.type))
+def _params(model, optimizer) -> list[torch.Tensor]:
+    """The model's parameters, then the optimizer's (a parameter may come twice)."""
+    params = list(model.parameters()) if model is not None else []
+    return params + ([p for g in optimizer.param_groups for p in g["params"]] if optimizer is not None else [])
 
 
 # torch.cuda's functions that measure_memory reads; a counter source (CudaCounters, a fake one in tests) has them all
@@ -213,23 +207,22 @@ def _check_counters(counters) -> None:
                         f"{type(counters).__name__} lacks {', '.join(missing)}.")
 
 
-def _model_device(model, optimizer) -> torch.device:
-    params = list(model.parameters()) if model is not None else []
-    params += [p for g in optimizer.param_groups for p in g["params"]] if optimizer is not None else []
-    return params[0].device if params else torch.device("cpu")
-
-
 def measure_memory(fn, *, model: nn.Module | None = None, optimizer=None, counters=None) -> MemoryReport:
     """Run ``fn()`` and report its peak memory and what filled it."""
     _check_args(fn, model, optimizer, counters)
-    device = _model_device(model, optimizer)
+    params = _params(model, optimizer)
+    device = params[0].device if params else torch.device("cpu")
     tracker = _MultiStepMemTracker()
     tracker.track_external(*(obj for obj in (model, optimizer) if obj is not None))
-    fake = any(_is_fake(p) for p in (model.parameters() if model is not None else []))
+    fake = any(_is_fake(p) for p in params)
     if counters is None and device.type == "cuda" and not fake and torch.cuda.is_available():
         counters = CudaCounters(device)
 
-    state_at_start = _training_state_bytes(model, optimizer, device)
+    # parameters, buffers, gradients present and optimizer state on the measured device, each storage once
+    state = params + [p.grad for p in params if p.grad is not None]
+    state += list(model.buffers()) if model is not None else []
+    state += _state_tensors(optimizer) if optimizer is not None else []
+    state_at_start = tensor_bytes(*(t for t in state if t.device.type == device.type))
     if counters is not None:
         counters.synchronize()
         counters.empty_cache()  # cached free blocks from earlier code must not serve fn

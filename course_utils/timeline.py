@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.distributed._tools.mem_tracker import _UpdateType  # private API: tests pin what is used of it
 
-from .memory import _TRACKER_TO_CATEGORY, CATEGORIES, _check_args, _MultiStepMemTracker
+from .memory import _TRACKER_TO_CATEGORY, CATEGORIES, _check_args, _MultiStepMemTracker, _params
 from .models import _is_fake
 from .units import GIB, KIB, MIB
 
@@ -101,7 +101,7 @@ def record_timeline(fn, *, model: nn.Module | None = None, optimizer=None) -> Ti
         fn()
     recorder.recording = False
     ev = pd.DataFrame(recorder.events, columns=["action", "key", "bytes", "category", "from_category", "phase", "device"])
-    params = list(model.parameters()) if model is not None else []
+    params = _params(model, optimizer)
     device = str(params[0].device) if params else (ev["device"].mode().iloc[0] if len(ev) else "cpu")
     ev = ev[ev["device"] == device].drop(columns="device").reset_index(drop=True)
     if optimizer is not None:  # as measure_memory: what optimizer.step() makes and does not keep is 'other'
