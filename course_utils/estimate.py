@@ -8,14 +8,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .memory import iter_tensors, storage_key
+from .memory import format_bytes, iter_tensors, storage_key
 from .validation import positive_int
 
 
-_DTYPE_ALIASES = {"fp32": torch.float32, "float32": torch.float32, "float": torch.float32, "fp16": torch.float16,
-                  "float16": torch.float16, "half": torch.float16, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-                  "int8": torch.int8, "uint8": torch.uint8, "fp8": torch.float8_e4m3fn, "fp64": torch.float64,
-                  "float64": torch.float64}
+# the course's short names; any other name is looked up in torch ("float16", "half", "int8", ...)
+_SHORT_NAMES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "fp8": "float8_e4m3fn", "fp64": "float64"}
 
 # state tensors per parameter, in units of the parameter's dtype (8-bit Adam handled apart)
 _STATE_COPIES = {"sgd": 0, "sgd_momentum": 1, "adam": 2, "adamw": 2}
@@ -26,11 +24,12 @@ BNB_MIN_8BIT_SIZE = 4096  # smaller tensors keep 32-bit state
 
 def dtype_of(dtype) -> torch.dtype:
     """'fp16' / 'bf16' / torch.float16 ... -> torch.dtype, with a clear error for anything else."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if isinstance(dtype, str) and dtype.lower() in _DTYPE_ALIASES:
-        return _DTYPE_ALIASES[dtype.lower()]
-    raise ValueError(f"Unknown dtype {dtype!r}; use one of {sorted(_DTYPE_ALIASES)} or a torch.dtype.")
+    found = dtype
+    if isinstance(dtype, str):
+        found = getattr(torch, _SHORT_NAMES.get(dtype.lower(), dtype.lower()), None)
+    if not isinstance(found, torch.dtype):
+        raise ValueError(f"Unknown dtype {dtype!r}; use one of {sorted(_SHORT_NAMES)}, 'int8', or a torch.dtype.")
+    return found
 
 
 def bytes_per_element(dtype) -> int:
@@ -171,8 +170,6 @@ class MemoryEstimate:
     peak_bytes = property(lambda self: sum(self.by_category.values()))
 
     def __str__(self) -> str:
-        from .memory import format_bytes
-
         return "\n".join([f"Estimated peak: {format_bytes(self.peak_bytes)} for {self.n_params:,} parameters"]
                          + [f"  {k:<12} {format_bytes(v):>12}" for k, v in self.by_category.items()]
                          + [f"  note: {n}" for n in self.notes])
@@ -198,15 +195,15 @@ def estimate_training_memory(model: nn.Module, *inputs, optimizer: str = "adam",
     # activations not yet freed + gradients made so far + temporaries, at backward's highest point
     backward_transient = profile["backward_peak"]
     step_transient = state.grads + scratch + profile["inputs"]
-    by_category = {"params": state.params, "optimizer": state.optimizer}
     if backward_transient >= step_transient:
-        grads_then = min(state.grads, backward_transient)
-        acts_then = min(acts, backward_transient - grads_then)
-        by_category.update(grads=grads_then, activations=acts_then, other=backward_transient - grads_then - acts_then)
+        grads = min(state.grads, backward_transient)
+        activations = min(acts, backward_transient - grads)
+        other = backward_transient - grads - activations
         where = "during backward"
     else:
-        by_category.update(grads=state.grads, activations=profile["inputs"], other=scratch)
+        grads, activations, other = state.grads, profile["inputs"], scratch
         where = "in optimizer.step()"
-    by_category = {k: by_category[k] for k in ("params", "grads", "optimizer", "activations", "other")}
+    by_category = {"params": state.params, "grads": grads, "optimizer": state.optimizer, "activations": activations,
+                   "other": other}
     return MemoryEstimate(by_category=by_category, n_params=n,
                           notes=[f"peak predicted {where}; activations measured from one forward pass"])

@@ -7,18 +7,18 @@ from pathlib import Path
 
 import torch
 
+from .estimate import dtype_of
 from .validation import float_tensor, positive_number
 
-_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
+_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 # bits of (sign, exponent, mantissa): finfo has no tf32, it is a matmul mode of fp32 tensors
 _LAYOUT = {"fp32": (1, 8, 23), "tf32": (1, 8, 10), "fp16": (1, 5, 10), "bf16": (1, 8, 7)}
 
 
 def _dtype(fmt) -> torch.dtype:
-    dtype = _DTYPES.get(fmt) if isinstance(fmt, str) else fmt
+    dtype = dtype_of(fmt)
     if dtype not in _NAMES:
-        raise ValueError(f"Unknown format {fmt!r}; use one of {sorted(_DTYPES)} or torch.float32/float16/bfloat16.")
+        raise ValueError(f"Unknown format {fmt!r}; use 'fp32', 'fp16', 'bf16' or torch.float32/float16/bfloat16.")
     return dtype
 
 
@@ -28,7 +28,7 @@ def format_table():
 
     rows = []
     for fmt, (sign, exp, man) in _LAYOUT.items():
-        info = torch.finfo(_DTYPES.get(fmt, torch.float32))  # tf32: fp32's exponent, 10 mantissa bits
+        info = torch.finfo(dtype_of("fp32" if fmt == "tf32" else fmt))  # tf32: fp32's exponent, 10 mantissa bits
         rows.append({"format": fmt, "bits": sign + exp + man, "exponent_bits": exp, "mantissa_bits": man,
                      "max": float(info.max), "smallest_normal": float(info.smallest_normal),
                      "smallest_subnormal": float(info.smallest_normal) * 2.0 ** -man, "eps": 2.0 ** -man,
