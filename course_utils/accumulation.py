@@ -47,17 +47,16 @@ def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(torch.linalg.vector_norm(a.detach().double() - b.detach().double()) / norm_b)
 
 
-def small_cnn(norm: str = "group", *, width: int = 16, in_channels: int = 1, n_classes: int = 10) -> nn.Sequential:
-    """conv(stride 2) - norm - ReLU - conv(stride 2) - norm - ReLU - global pool - linear."""
+def small_cnn(norm: str = "group", *, width: int = 16) -> nn.Sequential:
+    """1-channel images -> 10 classes: (conv with stride 2 - norm - ReLU) twice, global pool, linear."""
     norms = {"group": lambda c: nn.GroupNorm(1, c), "batch": nn.BatchNorm2d, "none": lambda c: nn.Identity()}
     if norm not in norms:
         raise ValueError(f"norm must be one of {sorted(norms)}, not {norm!r}.")
-    for label, value in (("width", width), ("in_channels", in_channels), ("n_classes", n_classes)):
-        positive_int(value, label)
+    positive_int(width, "width")
     make = norms[norm]
-    return nn.Sequential(nn.Conv2d(in_channels, width, 3, stride=2, padding=1), make(width), nn.ReLU(),
+    return nn.Sequential(nn.Conv2d(1, width, 3, stride=2, padding=1), make(width), nn.ReLU(),
                          nn.Conv2d(width, 2 * width, 3, stride=2, padding=1), make(2 * width), nn.ReLU(),
-                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(2 * width, n_classes))
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(2 * width, 10))
 
 
 def micro_batches(images: torch.Tensor, labels: torch.Tensor, k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -32,11 +32,6 @@ def dtype_of(dtype) -> torch.dtype:
     return found
 
 
-def bytes_per_element(dtype) -> int:
-    """4 for fp32, 2 for fp16/bf16, 1 for int8."""
-    return dtype_of(dtype).itemsize
-
-
 def normalize_optimizer(name: str) -> str:
     if not isinstance(name, str):
         raise TypeError(f"optimizer must be a name such as 'adam', not {type(name).__name__}.")
@@ -62,7 +57,7 @@ def optimizer_state_bytes(n_params: int, optimizer: str = "adam", *, param_dtype
     n_params = positive_int(n_params, "n_params", whole_floats=True)
     opt = normalize_optimizer(optimizer)
     if opt != "adam8bit":
-        return _STATE_COPIES[opt] * n_params * bytes_per_element(param_dtype)
+        return _STATE_COPIES[opt] * n_params * dtype_of(param_dtype).itemsize
     sizes = [n_params] if tensor_sizes is None else [positive_int(s, "tensor size", whole_floats=True) for s in tensor_sizes]
     # small tensors: two fp32 states; others: two uint8 states + one fp32 absmax per block each
     return sum(2 * 4 * s if s < BNB_MIN_8BIT_SIZE else 2 * s + 2 * 4 * -(-s // BNB_BLOCKSIZE) for s in sizes)
@@ -85,7 +80,7 @@ def training_state_bytes(n_params: int, *, optimizer: str = "adam", param_dtype=
     """Parameters + gradients + optimizer state (+ fp32 master weights, whose optimizer state is then fp32) for
     ``n_params``, in bytes."""
     n_params = positive_int(n_params, "n_params", whole_floats=True)
-    width, state_dtype = bytes_per_element(param_dtype), "fp32" if master_weights else param_dtype
+    width, state_dtype = dtype_of(param_dtype).itemsize, "fp32" if master_weights else param_dtype
     optimizer = optimizer_state_bytes(n_params, optimizer, param_dtype=state_dtype, tensor_sizes=tensor_sizes)
     return TrainingBytes(n_params * width, n_params * width, optimizer, n_params * 4 if master_weights else 0)
 

@@ -40,10 +40,11 @@ def test_8bit_adam_state():
 
 
 def test_dtype_names():
-    assert estimate.bytes_per_element("fp32") == 4
-    assert estimate.bytes_per_element("bf16") == 2
-    assert estimate.bytes_per_element(torch.float16) == 2
-    assert estimate.bytes_per_element("int8") == 1
+    assert estimate.dtype_of("fp32") == torch.float32
+    assert estimate.dtype_of("BF16") == torch.bfloat16
+    assert estimate.dtype_of(torch.float16) == torch.float16
+    assert estimate.dtype_of("int8").itemsize == 1
+    assert estimate.dtype_of("half") == torch.float16  # torch's own names work too
 
 
 def test_activation_bytes_counts_saved_tensors_not_parameters():
@@ -119,7 +120,8 @@ def test_estimate_within_10_percent_of_measurement(name, build, make_input, batc
         (lambda: estimate.optimizer_state_bytes(0, "adam"), ValueError, "positive"),
         (lambda: estimate.optimizer_state_bytes(10, "lion"), ValueError, "choose one of"),
         (lambda: estimate.optimizer_state_bytes(10, 3), TypeError, "name"),
-        (lambda: estimate.bytes_per_element("fp12"), ValueError, "Unknown dtype"),
+        (lambda: estimate.dtype_of("fp12"), ValueError, "Unknown dtype"),
+        (lambda: estimate.dtype_of("nn"), ValueError, "Unknown dtype"),  # a torch attribute, not a dtype
         (lambda: estimate.training_state_bytes(2.5), TypeError, "whole number"),
         (lambda: estimate.activation_bytes("model", torch.ones(1)), TypeError, "nn.Module"),
         (lambda: estimate.activation_bytes(nn.Linear(2, 2)), ValueError, "example input"),
