@@ -75,14 +75,6 @@ class BatchSearch:
         return pd.DataFrame(rows)
 
 
-def _peak_of(result) -> int:
-    if hasattr(result, "peak_bytes"):
-        result = result.peak_bytes
-    if isinstance(result, bool) or not isinstance(result, (int, float)) or result < 0:
-        raise TypeError(f"peak(batch) must return a MemoryReport or a number of bytes >= 0, not {result!r}.")
-    return int(result)
-
-
 def largest_batch_that_fits(peak: Callable[[int], object], budget_bytes: int, *, start: int = 1,
                             max_batch: int = 1 << 20) -> BatchSearch:
     """Largest batch size whose measured peak (``peak(batch)``: a MemoryReport or bytes; OOM = does not fit) stays
@@ -97,11 +89,17 @@ def largest_batch_that_fits(peak: Callable[[int], object], budget_bytes: int, *,
     def fits(b: int) -> bool:
         if b not in tried:
             try:
-                tried[b] = _peak_of(peak(b))
+                result = peak(b)
             except torch.OutOfMemoryError:
                 tried[b] = None
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
+            else:
+                result = getattr(result, "peak_bytes", result)
+                if isinstance(result, bool) or not isinstance(result, (int, float)) or result < 0:
+                    raise TypeError(f"peak(batch) must return a MemoryReport or a number of bytes >= 0, "
+                                    f"not {result!r}.")
+                tried[b] = int(result)
         return tried[b] is not None and tried[b] <= budget_bytes
 
     if not fits(start):

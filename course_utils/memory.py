@@ -146,10 +146,9 @@ class MemoryReport:
                              for k, v in self.by_category.items()])
 
     def __str__(self) -> str:
-        total = max(sum(self.by_category.values()), 1)
         lines = [f"Peak memory on {self.device}{' (fake tensors)' if self.fake else ''}: {format_bytes(self.peak_bytes)}"]
-        lines += [f"  {c:<11}  {format_bytes(self.by_category.get(c, 0)):>12}  {self.by_category.get(c, 0) / total:6.1%}"
-                  for c in CATEGORIES]
+        lines += [f"  {r.category:<11}  {format_bytes(r.bytes):>12}  {r.share:6.1%}"
+                  for r in self.to_frame().itertuples()]
         if self.reserved_peak_bytes is not None:
             lines.append(f"  reserved by the allocator at the peak: {format_bytes(self.reserved_peak_bytes)}")
         if self.cuda_context_bytes is not None:

@@ -79,11 +79,6 @@ class Timeline:
         """Bytes per category at the peak."""
         return {k: int(v) for k, v in self.curve().loc[self.peak_index].items()} if len(self.events) else {}
 
-    def phase_spans(self) -> list[tuple[str, int, int]]:
-        """(phase, first event, last event) for each run of events in one phase."""
-        runs = self.events.groupby((self.events["phase"] != self.events["phase"].shift()).cumsum())
-        return [(g["phase"].iloc[0], int(g.index[0]), int(g.index[-1])) for _, g in runs]
-
     def trace(self) -> list[tuple[str, int, int]]:
         """What the allocator sees: (action, key, bytes), action 'alloc' or 'free' (for allocator.replay)."""
         rows = self.events[self.events["action"] != "move"]
@@ -130,8 +125,9 @@ def plot_timeline(timeline: Timeline, *, ax=None, reserved=None, title: str | No
     ax = ax or plt.subplots(figsize=(9, 3.5))[1]
     curve, x = timeline.curve() / scale, np.arange(len(timeline.events))
     ax.stackplot(x, *curve.T.values, labels=list(CATEGORIES), colors=[CATEGORY_COLORS.get(c) for c in CATEGORIES], alpha=0.85)
-    for phase, first, last in timeline.phase_spans():
-        ax.axvspan(first - 0.5, last + 0.5, color=_SHADES[phase], zorder=-1, lw=0)
+    phases = timeline.events["phase"]
+    for _, run in phases.groupby((phases != phases.shift()).cumsum()):  # each run of events in one phase
+        ax.axvspan(run.index[0] - 0.5, run.index[-1] + 0.5, color=_SHADES[run.iloc[0]], zorder=-1, lw=0)
     top = timeline.peak_bytes / scale
     if reserved is not None:
         reserved = np.asarray(reserved) / scale
