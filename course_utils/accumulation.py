@@ -115,9 +115,8 @@ def sweep_micro_batch_sizes(model: nn.Module, optimizer: torch.optim.Optimizer,
             if "out of memory" not in str(err).lower():
                 raise
             optimizer.zero_grad(set_to_none=True)
-            if torch.cuda.is_available():
-                gc.collect()
-                torch.cuda.empty_cache()
+            gc.collect()
+            torch.cuda.empty_cache()  # a no-op without CUDA
             rows.append({**row, "fits": False, "peak_bytes": math.nan, "peak_MiB": math.nan, "seconds_per_sample": math.nan})
             continue
         optimizer.zero_grad(set_to_none=True)

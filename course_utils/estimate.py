@@ -35,9 +35,7 @@ def dtype_of(dtype) -> torch.dtype:
 def normalize_optimizer(name: str) -> str:
     if not isinstance(name, str):
         raise TypeError(f"optimizer must be a name such as 'adam', not {type(name).__name__}.")
-    key = name.lower().replace("-", "_").replace(" ", "_").replace("+", "_")
-    key = {"adam_8bit": "adam8bit", "adamw8bit": "adam8bit", "adamw_8bit": "adam8bit", "8bit_adam": "adam8bit",
-           "momentum": "sgd_momentum", "sgdm": "sgd_momentum", "sgd_with_momentum": "sgd_momentum"}.get(key, key)
+    key = name.lower().replace("-", "_").replace(" ", "_").replace("+", "_")  # "SGD+momentum" -> "sgd_momentum"
     if key not in OPTIMIZERS:
         raise ValueError(f"Unknown optimizer {name!r}; choose one of {OPTIMIZERS}.")
     return key
