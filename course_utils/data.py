@@ -30,8 +30,7 @@ class MNISTData:
 
 
 def _torchvision_uint8() -> tuple[torch.Tensor, torch.Tensor]:
-    """(uint8 images (N, 28, 28), int64 labels) from torchvision, in the course folder's data/; raises RuntimeError
-    if unavailable."""
+    """torchvision's MNIST (uint8 images, int64 labels) in the course folder's data/; RuntimeError if unavailable."""
     from torchvision import datasets
 
     from .paths import course_home

@@ -1,6 +1,5 @@
-"""The memory arithmetic done right: parameters, gradients, optimizer state (Adam: m and v; 8-bit Adam: 2 bytes
-plus one fp32 absmax per block), activations (what autograd saves, measured with saved_tensors_hooks) and the
-optimizer step's scratch."""
+"""The memory arithmetic: parameters, gradients, optimizer state (Adam: m and v; 8-bit Adam: 2 bytes plus one fp32
+absmax per block), activations (what autograd saves, via saved_tensors_hooks) and the optimizer step's scratch."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

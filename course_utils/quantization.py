@@ -65,13 +65,11 @@ def bnb_roundtrip(x: torch.Tensor, *, blocksize: int = BNB_BLOCKSIZE, code: torc
 
 
 def gpt2_tensor_sizes(name: str = "gpt2-xl", **overrides) -> list[int]:
-    """Element count of every parameter tensor of a GPT-2 (tied LM head counted once), from its config
-    (:func:`course_utils.models.gpt2_config` with the same arguments)."""
+    """Element count of each parameter tensor (the tied LM head once) of ``models.gpt2_config(name, **overrides)``."""
     from . import models
 
     config = models.gpt2_config(name, **overrides)
     d, inner = config.n_embd, config.n_inner or 4 * config.n_embd
-    # wte (tied with lm_head), wpe; per layer ln_1, attn.c_attn, attn.c_proj, ln_2, mlp.c_fc, mlp.c_proj (weight, bias);
-    # ln_f
+    # per layer, weight and bias of ln_1, attn.c_attn, attn.c_proj, ln_2, mlp.c_fc, mlp.c_proj
     layer = [d, d, d * 3 * d, 3 * d, d * d, d, d, d, d * inner, inner, inner * d, d]
     return [config.vocab_size * d, config.n_positions * d] + layer * config.n_layer + [d, d]
