@@ -322,6 +322,7 @@ def oom_message(tried: int, *, total: int, free: int, allocated: int, reserved: 
 
 
 _SIZE = r"(\d+(?:\.\d+)? (?:bytes|[KMGT]i?B))"
+_UNIT = {"b": 1, "K": KIB, "M": MIB, "G": GIB, "T": 1024 * GIB}  # a size's unit, by its first letter
 _FIELDS = {  # the current wording first, then PyTorch's older one ("already allocated", "reserved in total", "cached")
     "tried": [r"Tried to allocate " + _SIZE], "allowed": [_SIZE + " allowed"],
     "total": [r"total capac\w* of " + _SIZE, _SIZE + " total capacity"],
@@ -333,11 +334,6 @@ _FIELDS = {  # the current wording first, then PyTorch's older one ("already all
 }
 
 
-def _bytes(text: str) -> int:
-    number, unit = text.split()
-    return round(float(number) * (1 if unit == "bytes" else {"K": KIB, "M": MIB, "G": GIB, "T": 1024 * GIB}[unit[0]]))
-
-
 @dataclass
 class OomMessage:
     """The numbers of one out-of-memory message, in bytes; None where the message does not give one."""
@@ -347,7 +343,6 @@ class OomMessage:
     free: int
     allocated: int
     reserved: int
-    gpu: int = 0
     this_process: int | None = None
     allowed: int | None = None
 
@@ -374,15 +369,15 @@ def parse_oom(text: str) -> OomMessage:
     for name, patterns in _FIELDS.items():
         match = next((m for m in (re.search(p, text) for p in patterns) if m), None)
         if match:
-            found[name] = _bytes(match.group(1))
+            number, unit = match.group(1).split()
+            found[name] = round(float(number) * _UNIT[unit[0]])
     missing = [k for k in ("tried", "total", "free", "allocated") if k not in found]
     if missing or not {"reserved", "unallocated"} & set(found):
         raise ValueError(f"Could not find {', '.join(missing) or 'the reserved memory'} in this message: paste the "
                          "whole message, from 'CUDA out of memory' to its end.")
-    gpu = re.search(r"GPU (\d+)", text)
-    return OomMessage(tried=found["tried"], total=found["total"], free=found["free"],
-                      allocated=found["allocated"], reserved=found.get("reserved", found["allocated"] + found.get("unallocated", 0)),
-                      gpu=int(gpu.group(1)) if gpu else 0, this_process=found.get("this_process"), allowed=found.get("allowed"))
+    return OomMessage(tried=found["tried"], total=found["total"], free=found["free"], allocated=found["allocated"],
+                      reserved=found.get("reserved", found["allocated"] + found.get("unallocated", 0)),
+                      this_process=found.get("this_process"), allowed=found.get("allowed"))
 
 
 def real_oom_messages() -> list[tuple[str, str]]:

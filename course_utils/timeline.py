@@ -48,9 +48,6 @@ class _Recorder(_MultiStepMemTracker):
         if u_type in (_UpdateType.ADD, _UpdateType.DEL, _UpdateType.SIZE):
             self.events.append(("free" if u_type == _UpdateType.DEL else "alloc", *row))
 
-    def _update_peak_stats(self, peak_state) -> None:
-        pass  # the timeline finds its own peak
-
 
 @dataclass
 class Timeline:
