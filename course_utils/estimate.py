@@ -74,8 +74,7 @@ class TrainingBytes:
 
 def training_state_bytes(n_params: int, *, optimizer: str = "adam", param_dtype="fp32",
                          master_weights: bool = False, tensor_sizes: list[int] | None = None) -> TrainingBytes:
-    """Parameters + gradients + optimizer state (+ fp32 master weights, whose optimizer state is then fp32) for
-    ``n_params``, in bytes."""
+    """Bytes of parameters + gradients + optimizer state (+ fp32 master weights, whose optimizer state is then fp32)."""
     n_params = positive_int(n_params, "n_params", whole_floats=True)
     width, state_dtype = dtype_of(param_dtype).itemsize, "fp32" if master_weights else param_dtype
     optimizer = optimizer_state_bytes(n_params, optimizer, param_dtype=state_dtype, tensor_sizes=tensor_sizes)
@@ -136,14 +135,13 @@ def _forward_profile(model: nn.Module, inputs, kwargs) -> dict:
     for seg in segments:
         if seg["saved"]:
             by_module[seg["module"]] = by_module.get(seg["module"], 0) + seg["saved"]
-    return {"saved": saved, "output": output_bytes, "inputs": sum(ins), "backward_peak": backward_peak,
+    return {"activations": saved + output_bytes, "inputs": sum(ins), "backward_peak": backward_peak,
             "by_module": by_module}
 
 
 def activation_bytes(model: nn.Module, *inputs, **kwargs) -> int:
     """Bytes autograd keeps from one forward pass of ``model(*inputs, **kwargs)`` in train mode."""
-    profile = _forward_profile(model, inputs, kwargs)
-    return profile["saved"] + profile["output"]
+    return _forward_profile(model, inputs, kwargs)["activations"]
 
 
 def saved_bytes_by_module(model: nn.Module, *inputs, **kwargs) -> dict[str, int]:
@@ -179,7 +177,6 @@ def estimate_training_memory(model: nn.Module, *inputs, optimizer: str = "adam",
         raise ValueError("The model has no parameters; nothing to train.")
     n, sizes = count_params(model), [p.numel() for p in params]
     state = training_state_bytes(n, optimizer=opt, param_dtype=params[0].dtype, tensor_sizes=sizes)
-    acts = profile["saved"] + profile["output"]
     # optimizer.step()'s temporaries: foreach Adam (CUDA) about one copy of the model, per-tensor Adam (CPU) two of
     # the largest tensor; SGD works in place
     on_cuda = params[0].device.type == "cuda"
@@ -189,7 +186,7 @@ def estimate_training_memory(model: nn.Module, *inputs, optimizer: str = "adam",
     step_transient = state.grads + scratch + profile["inputs"]
     if backward_transient >= step_transient:
         grads = min(state.grads, backward_transient)
-        activations = min(acts, backward_transient - grads)
+        activations = min(profile["activations"], backward_transient - grads)
         other = backward_transient - grads - activations
         where = "during backward"
     else:
