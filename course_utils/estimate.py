@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .memory import format_bytes, iter_tensors, storage_key
+from .memory import CATEGORIES, format_bytes, iter_tensors, storage_key
 from .validation import positive_int
 
 
@@ -192,7 +192,6 @@ def estimate_training_memory(model: nn.Module, *inputs, optimizer: str = "adam",
     else:
         grads, activations, other = state.grads, profile["inputs"], scratch
         where = "in optimizer.step()"
-    by_category = {"params": state.params, "grads": grads, "optimizer": state.optimizer, "activations": activations,
-                   "other": other}
+    by_category = dict(zip(CATEGORIES, (state.params, grads, state.optimizer, activations, other)))
     return MemoryEstimate(by_category=by_category, n_params=n,
                           notes=[f"peak predicted {where}; activations measured from one forward pass"])
