@@ -70,7 +70,7 @@ def iter_tensors(obj):
     elif isinstance(obj, (list, tuple)):
         for v in obj:
             yield from iter_tensors(v)
-    elif isinstance(obj, dict) or (hasattr(obj, "values") and callable(obj.values)):
+    elif callable(getattr(obj, "values", None)):  # dicts, model outputs
         for v in obj.values():
             yield from iter_tensors(v)
 

@@ -6,11 +6,10 @@ import itertools
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 from torch import nn
 from torch.distributed._tools.mem_tracker import _UpdateType  # private API: tests pin what is used of it
 
-from .memory import _TRACKER_TO_CATEGORY, CATEGORIES, _check_args, _MultiStepMemTracker, _params
+from .memory import _TRACKER_TO_CATEGORY, CATEGORIES, _check_args, _MultiStepMemTracker, _params, _state_tensors
 from .models import _is_fake
 from .units import GIB, KIB, MIB
 
@@ -97,8 +96,7 @@ def record_timeline(fn, *, model: nn.Module | None = None, optimizer=None) -> Ti
     device = str(params[0].device) if params else (ev["device"].mode().iloc[0] if len(ev) else "cpu")
     ev = ev[ev["device"] == device].drop(columns="device").reset_index(drop=True)
     if optimizer is not None:  # as measure_memory: what optimizer.step() makes and does not keep is 'other'
-        winfos = [recorder._WINFO.get(t.untyped_storage(), (None,))[0] for s in optimizer.state.values()
-                  for t in s.values() if isinstance(t, torch.Tensor)]
+        winfos = [recorder._WINFO.get(t.untyped_storage(), (None,))[0] for t in _state_tensors(optimizer)]
         temporary = ~ev["key"].isin([w.course_key for w in winfos if hasattr(w, "course_key")])
         for column in ("category", "from_category"):
             ev.loc[temporary & (ev[column] == "optimizer"), column] = "other"
