@@ -11,7 +11,7 @@ from typing import Callable, Iterable
 import torch
 
 from .units import MIB
-from .validation import callable_arg, positive_int, positive_number
+from .validation import callable_arg, positive_int
 
 
 # tool -> (command, or None for an interactive tool that is only located; what it shows)
@@ -28,16 +28,16 @@ MONITOR_TOOLS = {
     "nvtop": (None, "nvtop (apt install nvtop) is an interactive, htop-like terminal monitor: live plots of GPU "
                     "utilization and memory per device and a process list. Run it in a terminal, not in a notebook."),
 }
+MAX_BATCH = 1 << 20  # largest_batch_that_fits doubles up to this at most
 
 
-def gpu_monitor(tools: Iterable[str] = ("nvidia-smi", "gpustat", "nvtop"), *, timeout_s: float = 10.0) -> list[str]:
+def gpu_monitor(tools: Iterable[str] = ("nvidia-smi", "gpustat", "nvtop")) -> list[str]:
     """Run the GPU monitors that are installed; for the others, say what they would show. One text per tool:
     ``$ tool  (found)`` or ``(not installed here)``, then what it printed or would show."""
     tools = [tools] if isinstance(tools, str) else list(tools)
     unknown = [t for t in tools if t not in MONITOR_TOOLS]
     if unknown or not tools:
         raise ValueError(f"Unknown or no monitoring tool(s) {unknown}; choose from {sorted(MONITOR_TOOLS)}.")
-    positive_number(timeout_s, "timeout_s", "seconds")
     reports = []
     for tool in tools:
         command, explains = MONITOR_TOOLS[tool]
@@ -47,7 +47,7 @@ def gpu_monitor(tools: Iterable[str] = ("nvidia-smi", "gpustat", "nvtop"), *, ti
         text = f"Installed. {explains}"  # an interactive tool (no command) is only located
         try:
             if command is not None:
-                done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
+                done = subprocess.run(command, capture_output=True, text=True, timeout=10)
                 text = (done.stdout or "").strip()
                 if done.returncode != 0:
                     text = (f"exited with status {done.returncode}: {(done.stderr or text).strip()[:500]}\n"
@@ -75,15 +75,12 @@ class BatchSearch:
         return pd.DataFrame(rows)
 
 
-def largest_batch_that_fits(peak: Callable[[int], object], budget_bytes: int, *, start: int = 1,
-                            max_batch: int = 1 << 20) -> BatchSearch:
+def largest_batch_that_fits(peak: Callable[[int], object], budget_bytes: int, *, start: int = 1) -> BatchSearch:
     """Largest batch size whose measured peak (``peak(batch)``: a MemoryReport or bytes; OOM = does not fit) stays
     within ``budget_bytes``: doubling, then bisection (the peak grows with the batch)."""
     callable_arg(peak, "peak", "a function batch -> MemoryReport or bytes")
-    for name, value in (("budget_bytes", budget_bytes), ("start", start), ("max_batch", max_batch)):
+    for name, value in (("budget_bytes", budget_bytes), ("start", start)):
         positive_int(value, name)
-    if start > max_batch:
-        raise ValueError(f"start ({start}) must not exceed max_batch ({max_batch}).")
     tried: dict[int, int | None] = {}
 
     def fits(b: int) -> bool:
@@ -107,8 +104,8 @@ def largest_batch_that_fits(peak: Callable[[int], object], budget_bytes: int, *,
         raise ValueError(f"Even batch {start} does not fit in {budget_bytes / MIB:.1f} MiB (it needs {needs}): "
                          "raise the budget, or shrink the model (fewer/narrower layers, a smaller dtype).")
     good, bad = start, None
-    while bad is None and good < max_batch:
-        nxt = min(good * 2, max_batch)
+    while bad is None and good < MAX_BATCH:
+        nxt = min(good * 2, MAX_BATCH)
         good, bad = (nxt, None) if fits(nxt) else (good, nxt)
     while bad is not None and bad - good > 1:
         mid = (good + bad) // 2
