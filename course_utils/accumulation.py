@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from .memory import MIB, measure_memory
+from .memory import MIB, _state_tensors, measure_memory
 from .timing import time_fn
 from .validation import callable_arg, positive_int
 
@@ -79,8 +79,7 @@ def sweep_micro_batch_sizes(model: nn.Module, optimizer: torch.optim.Optimizer,
     import pandas as pd
 
     _trainable(model)
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"optimizer must be a torch.optim.Optimizer, not {type(optimizer).__name__}.")
+    _state_tensors(optimizer)  # checks it is an optimizer
     callable_arg(micro_step, "micro_step", "the notebook's function (x, y, n_total)")
     callable_arg(optimizer_step, "optimizer_step", "the notebook's zero-argument function")
     n = len(images)

@@ -40,17 +40,15 @@ def format_table():
 def plot_ranges(*, ax=None, mark: dict | None = None):
     """Horizontal bars of each format's range on a log10 axis: subnormals light, normals dark."""
     import matplotlib.pyplot as plt
-    import seaborn as sns
 
     table = format_table()
     if mark is not None and not isinstance(mark, dict):
         raise TypeError("mark must be a dict {label: value}, e.g. {'1e-8': 1e-8}.")
     ax = ax or plt.subplots(figsize=(8, 0.6 + 0.6 * len(table)))[1]
-    colors = sns.color_palette("deep", len(table))
     for i, (name, row) in enumerate(table.iterrows()):
         lo_sub, lo, hi = (math.log10(row[c]) for c in ("smallest_subnormal", "smallest_normal", "max"))
-        ax.barh(i, lo - lo_sub, left=lo_sub, color=colors[i], alpha=0.35, label="subnormal" if i == 0 else None)
-        ax.barh(i, hi - lo, left=lo, color=colors[i], label="normal" if i == 0 else None)
+        ax.barh(i, lo - lo_sub, left=lo_sub, color=f"C{i}", alpha=0.35, label="subnormal" if i == 0 else None)
+        ax.barh(i, hi - lo, left=lo, color=f"C{i}", label="normal" if i == 0 else None)
         ax.text(hi + 0.5, i, f"max {row['max']:.3g}", va="center", fontsize=9)
     for (label, value), style in zip((mark or {}).items(), ("--", ":", "-.", (0, (5, 5)))):
         ax.axvline(math.log10(value), color="black", ls=style, lw=1, label=label)
