@@ -133,17 +133,14 @@ class MemoryReport:
     @property
     def card_bytes(self) -> int | None:
         """Reserved peak + CUDA context: what nvidia-smi would show were fn alone on the card (CUDA only)."""
-        if self.reserved_peak_bytes is None or self.cuda_context_bytes is None:
-            return None
-        return self.reserved_peak_bytes + self.cuda_context_bytes
+        return None if self.reserved_peak_bytes is None else self.reserved_peak_bytes + self.cuda_context_bytes
 
     def to_frame(self):
         """A pandas DataFrame (category, bytes, MiB, share) for tables and seaborn plots."""
         import pandas as pd
 
-        total = max(sum(self.by_category.values()), 1)
-        return pd.DataFrame([{"category": k, "bytes": v, "MiB": v / MIB, "share": v / total}
-                             for k, v in self.by_category.items()])
+        frame = pd.DataFrame({"category": list(self.by_category), "bytes": list(self.by_category.values())})
+        return frame.assign(MiB=frame["bytes"] / MIB, share=frame["bytes"] / max(frame["bytes"].sum(), 1))
 
     def __str__(self) -> str:
         lines = [f"Peak memory on {self.device}{' (fake tensors)' if self.fake else ''}: {format_bytes(self.peak_bytes)}"]
