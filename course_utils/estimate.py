@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .memory import CATEGORIES, format_bytes, iter_tensors, storage_key
+from .memory import CATEGORIES, format_bytes, iter_tensors, storage_key, tensor_bytes
 from .validation import positive_int
 
 
@@ -115,7 +115,6 @@ def _forward_profile(model: nn.Module, inputs, kwargs) -> dict:
         handle.remove()
         model.train(was_training)
     outs = [t.untyped_storage().nbytes() for t in iter_tensors(out)]
-    ins = [t.untyped_storage().nbytes() for t in iter_tensors((inputs, kwargs))]
     del out
     saved = sum(seg["saved"] for seg in segments)
     output_bytes, largest_output = sum(outs), max(outs, default=0)
@@ -135,8 +134,8 @@ def _forward_profile(model: nn.Module, inputs, kwargs) -> dict:
     for seg in segments:
         if seg["saved"]:
             by_module[seg["module"]] = by_module.get(seg["module"], 0) + seg["saved"]
-    return {"activations": saved + output_bytes, "inputs": sum(ins), "backward_peak": backward_peak,
-            "by_module": by_module}
+    return {"activations": saved + output_bytes, "inputs": tensor_bytes(*iter_tensors((inputs, kwargs))),
+            "backward_peak": backward_peak, "by_module": by_module}
 
 
 def activation_bytes(model: nn.Module, *inputs, **kwargs) -> int:
