@@ -14,6 +14,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 MODULE_LINE_LIMIT = 600
+PACKAGE_LINE_LIMIT = 4_500  # "a small shared helper package": what is not the lesson, readable in an afternoon
 MODULES = sorted((ROOT / "course_utils").rglob("*.py"))
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 
@@ -26,6 +27,13 @@ def _lines(path: Path) -> int:
 def test_no_module_over_the_limit(path):
     assert _lines(path) <= MODULE_LINE_LIMIT, (
         f"{path.relative_to(ROOT)} has {_lines(path)} lines (limit {MODULE_LINE_LIMIT}): split it by concern")
+
+
+def test_the_package_stays_small():
+    total = sum(_lines(p) for p in MODULES)
+    assert total <= PACKAGE_LINE_LIMIT, (
+        f"course_utils has {total} lines (limit {PACKAGE_LINE_LIMIT}): a mechanism a notebook teaches belongs in its "
+        "cells, code used by one notebook next to it, maintainers' tooling in course_tools")
 
 
 def test_the_line_counter_sees_an_oversized_module(tmp_path):
