@@ -171,31 +171,34 @@ def enable_checkpointing(model: nn.Module) -> None:
     model.config.use_cache = False
 
 
-def fake_device() -> str:
-    """The device a fake-tensor prediction claims: 'cuda' where a GPU is present, else 'cpu' (without a GPU,
-    autograd's backward on fake CUDA tensors asks the driver for a context and fails; 'cpu' has the same shapes)."""
-    return "cuda" if torch.cuda.is_available() else "cpu"
+# Fake tensors live on the CPU on every machine and are priced as CUDA keeps them (``models.as_on_cuda``): one code path
+# with and without a GPU. Fake CUDA tensors fail twice: backward asks the driver for a context, and where CUDA is
+# initialised checkpoint's recompute clones the CUDA RNG state inside FakeTensorMode (a fake tensor it cannot set).
+FAKE_DEVICE = "cpu"
 
 
-def predict_gpu_peak(config_or_name="gpt2-xl", *, variant: str = "recipe", micro_batch: int = 4,
+def predict_gpu_peak(config_or_name="gpt2-xl", *, variant: str = "recipe", micro_batch: int = 4, accum_steps: int = 1,
                      seq_len: int = 1024, dtype: torch.dtype = torch.float16, attention: str = "fused", **overrides):
-    """The :class:`~course_utils.memory.MemoryReport` of one checkpointed micro-step (forward + backward) of GPT-2
-    in ``dtype`` under ``FakeTensorMode`` on :func:`fake_device`, priced as CUDA keeps the tensors (``as_on_cuda``;
-    ``attention`` 'fused' or 'math'). ``variant='recipe'``: every gradient stays on the GPU until the step;
-    ``'streamed'``: each leaves once backward produced it. The CPU side is not counted. GPT-2-XL: 10-20 s on 2 cores."""
+    """The device's :class:`~course_utils.memory.MemoryReport` for one whole optimizer step of the capstone's loop:
+    ``accum_steps`` checkpointed micro-steps (forward + backward of GPT-2 in ``dtype`` at ``micro_batch`` x ``seq_len``
+    tokens, the logits freed before backward), then the step's device side (gradients handed over and freed), under
+    ``FakeTensorMode``, priced as CUDA keeps the tensors (``attention`` 'fused' or 'math'). ``variant='recipe'``:
+    gradients stay on the device until the step, so from the second micro-step on they are all there while backward
+    adds the next; ``'streamed'``: each leaves once backward produced it. The host side is not counted.
+    GPT-2-XL: about 15 s per micro-step on 2 cores."""
     from . import models
     from .memory import measure_memory
 
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, not {variant!r}.")
     positive_int(micro_batch, "micro_batch")
+    positive_int(accum_steps, "accum_steps", "1 means no accumulation")
     positive_int(seq_len, "seq_len")
-    device = fake_device()
     config = models.gpt2_config(config_or_name, **overrides) if isinstance(config_or_name, str) else config_or_name
     if seq_len > config.n_positions:
         raise ValueError(f"seq_len {seq_len} is longer than the model's context ({config.n_positions} tokens).")
     with models.fake_mode():
-        with torch.device(device):
+        with torch.device(FAKE_DEVICE):
             model = models.build_gpt2(config, dtype=dtype, attention=attention)
         enable_checkpointing(model)
         model.train()
@@ -203,13 +206,16 @@ def predict_gpu_peak(config_or_name="gpt2-xl", *, variant: str = "recipe", micro
             for p in model.parameters():
                 p.register_post_accumulate_grad_hook(_free_grad)
 
-        def micro_step():
-            ids = torch.randint(0, config.vocab_size, (micro_batch, seq_len), device=device)
-            model(input_ids=ids, labels=ids).loss.backward()
+        def optimizer_step():
+            for _ in range(accum_steps):
+                ids = torch.randint(0, config.vocab_size, (micro_batch, seq_len), device=FAKE_DEVICE)
+                model(input_ids=ids, labels=ids).loss.backward()
+            for p in model.parameters():  # the step: gradients leave for the host, the device frees them
+                p.grad = None
 
         with warnings.catch_warnings(), models.as_on_cuda():  # MemTracker warns about the hooks' `grad = None`
             warnings.filterwarnings("ignore", message="Expected a tensor or a traceable wrapper-subclass")
-            return measure_memory(micro_step, model=model)  # the fake model and its hooks go with this call
+            return measure_memory(optimizer_step, model=model)  # the fake model and its hooks go with this call
 
 
 def _free_grad(param: torch.Tensor) -> None:

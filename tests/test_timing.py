@@ -48,3 +48,19 @@ def test_time_fns_takes_turns():
     assert switches >= 5, "a and b must alternate across rounds"
     with pytest.raises(ValueError, match="rounds"):
         timing.time_fns({"a": lambda: None}, rounds=0)
+
+
+def test_cpu_optimizer_step_measures_ns_per_param_state_and_threads():
+    import torch
+
+    sgd = timing.cpu_optimizer_step(lambda ps: torch.optim.SGD(ps, lr=0.1), n_params=4096, threads=1, repeats=2,
+                                    min_run_time=0.01)
+    adam = timing.cpu_optimizer_step(lambda ps: torch.optim.Adam(ps, lr=0.1, foreach=False), n_params=4096, threads=1,
+                                     repeats=2, min_run_time=0.01)
+    assert sgd.state_bytes_per_param == 0 and adam.state_bytes_per_param == pytest.approx(8, abs=0.01)  # m, v (+ step)
+    assert sgd.threads == adam.threads == 1 and sgd.n_params == 4096
+    assert 0 < sgd.ns_per_param and 0 < adam.ns_per_param and sgd.first_step_s > 0
+    with pytest.raises(TypeError, match="make_optimizer"):
+        timing.cpu_optimizer_step(None)
+    with pytest.raises(ValueError, match="n_params"):
+        timing.cpu_optimizer_step(lambda ps: torch.optim.SGD(ps, lr=0.1), n_params=0)
