@@ -82,33 +82,38 @@ def _fmt(value) -> str:
     return repr(value) if isinstance(value, str) else str(value)
 
 
-_predictions: list[str] = []
+_predictions: dict[str, bool] = {}  # name -> whether the learner typed a number
 
 
-def compare_prediction(name: str, predicted, measured, *, unit: str = "", why_off: str = "") -> float:
+def compare_prediction(name: str, predicted, measured, *, unit: str = "", why_off: str = "") -> float | None:
     """Print the learner's prediction beside the measurement and how far off it was (``why_off`` when off by more
-    than 25%); returns the relative error and counts towards :func:`prediction_count`."""
+    than 25%); returns the relative error. A prediction left at ``None`` (the predict cell as shipped) prints what to
+    type, records nothing and returns None, so a notebook still runs top to bottom."""
     if not isinstance(name, str) or not name:
         raise ValueError("name must say what was predicted, e.g. 'peak memory of one step'.")
-    if predicted is None or predicted is Ellipsis:
-        raise ValueError(f"Prediction '{name}': put your number in the `predict` cell above, then run this cell again.")
-    if isinstance(predicted, bool) or not isinstance(predicted, (int, float)):
-        raise TypeError(f"Prediction '{name}' must be a number (in {unit or 'the unit asked'}), not {predicted!r}.")
     if isinstance(measured, bool) or not isinstance(measured, (int, float)):
         raise TypeError(f"measured must be a number, not {measured!r}.")
-    error, suffix = (predicted - measured) / max(abs(measured), 1e-30), f" {unit}" if unit else ""
+    _predictions.setdefault(name, False)
+    suffix = f" {unit}" if unit else ""
+    if predicted is None or predicted is Ellipsis:
+        print(f"Prediction ({name}): none yet. Type your number (in {unit or 'the unit asked'}) in the `predict` cell "
+              f"above, run it, then this cell again. Measured: {_fmt(measured)}{suffix}")
+        return None
+    if isinstance(predicted, bool) or not isinstance(predicted, (int, float)):
+        raise TypeError(f"Prediction '{name}' must be a number (in {unit or 'the unit asked'}), not {predicted!r}.")
+    error = (predicted - measured) / max(abs(measured), 1e-30)
     verdict = "spot on" if abs(error) < 0.02 else f"{abs(error):.0%} {'too high' if error > 0 else 'too low'}"
     print(f"Prediction ({name}): {_fmt(predicted)}{suffix} | measured: {_fmt(measured)}{suffix} | {verdict}")
     if abs(error) > 0.25 and why_off:
         print(f"  The usual reason for a miss: {why_off}")
-    if name not in _predictions:
-        _predictions.append(name)
+    _predictions[name] = True
     return float(error)
 
 
-def prediction_count() -> int:
-    """How many distinct predictions this kernel has compared with a measurement."""
-    return len(_predictions)
+def prediction_count(*, made: bool = False) -> int:
+    """How many distinct predictions this kernel asked for (compared with a measurement); ``made=True``: how many
+    of them the learner actually typed."""
+    return sum(typed or not made for typed in _predictions.values())
 
 
 def checker_rejects(checker: Callable[..., bool], *wrong_answers) -> bool:

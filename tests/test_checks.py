@@ -70,9 +70,19 @@ def test_compare_prediction_counts_distinct_names():
     assert checks.prediction_count() == before + 1
 
 
-@pytest.mark.parametrize("bad", [None, ..., "100", True])
-def test_compare_prediction_missing_or_wrong_type_is_explained(bad):
-    with pytest.raises((ValueError, TypeError), match="predict|number"):
+def test_an_unfilled_prediction_says_what_to_type_and_records_nothing(capsys):
+    asked, made = checks.prediction_count(), checks.prediction_count(made=True)
+    assert checks.compare_prediction("an unfilled prediction", None, 100, unit="MiB") is None
+    out = capsys.readouterr().out
+    assert "none yet" in out and "`predict` cell" in out and "MiB" in out
+    assert checks.prediction_count() == asked + 1 and checks.prediction_count(made=True) == made
+    checks.compare_prediction("an unfilled prediction", 90, 100, unit="MiB")  # typed later: now it counts as made
+    assert checks.prediction_count() == asked + 1 and checks.prediction_count(made=True) == made + 1
+
+
+@pytest.mark.parametrize("bad", ["100", True])
+def test_compare_prediction_wrong_type_is_explained(bad):
+    with pytest.raises(TypeError, match="number"):
         checks.compare_prediction("peak", bad, 100)
 
 
