@@ -7,7 +7,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install lab test check clean
+.PHONY: install lab test check outputs clean
 
 $(STAMP): requirements.txt pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "Python 3.10+ is needed (3.11 recommended); set PYTHON=python3.11")'
@@ -29,6 +29,14 @@ test: install
 
 check: install
 	$(PY) -m course_tools.preflight --record
+
+# Maintainers: refresh the saved outputs of NB (default: every notebook) from a profile-smoke run, then hide what a
+# learner must predict first (predict cells back to None, the answers' and solutions' outputs cleared).
+NB ?= notebooks/*.ipynb
+outputs: install
+	COURSE_PROFILE=smoke $(VENV)/bin/jupyter nbconvert --to notebook --execute --inplace \
+	  --ExecutePreprocessor.timeout=900 $(NB)
+	$(PY) -m course_tools.hide_answers $(NB)
 
 clean:
 	rm -rf $(VENV) results .pytest_cache

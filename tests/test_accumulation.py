@@ -197,3 +197,54 @@ def test_sweep_bad_input():
         acc.sweep_micro_batch_sizes(model, opt, micro_step, optimizer_step, x, y[:3], [4])
     with pytest.raises(ValueError, match="min_run_time"):
         acc.sweep_micro_batch_sizes(model, opt, micro_step, optimizer_step, x, y, [4], min_run_time=0)
+
+
+# ---------------------------------------------------------------- notebook 02's exercise checker, from its cells
+def _exercise():
+    """Notebook 02's exercise cells (the micro-batches, the stub, the checker, the solution) on random digits."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from notebook_lessons import exec_lesson_cells
+
+    from course_utils.checks import check_exercise, claim
+
+    gen = torch.Generator().manual_seed(0)
+    namespace = dict(torch=torch, nn=nn, copy=copy, acc=acc, check_exercise=check_exercise, claim=claim,
+                     DEVICE=torch.device("cpu"), images=torch.rand(64, 1, 28, 28, generator=gen),
+                     labels=torch.randint(0, 10, (64,), generator=gen))
+    return exec_lesson_cells(NOTEBOOK_02, {
+        "micro-batches": lambda s, t: s.startswith("ex_sizes ="),
+        "stub": lambda s, t: "def my_accumulate(" in s,
+        "checker": lambda s, t: "def check_accumulation(" in s,
+        "solution": lambda s, t: "solution" in t}, namespace)
+
+
+NOTEBOOK_02 = Path(__file__).resolve().parent.parent / "notebooks" / "02_gradient_accumulation.ipynb"
+
+
+def _wrong_mean_over_k(model, micro_batches):  # the article's normalization: each micro-batch's mean / k
+    model.zero_grad(set_to_none=True)
+    for x, y in micro_batches:
+        (nn.functional.cross_entropy(model(x), y, ignore_index=-100) / len(micro_batches)).backward()
+
+
+def _wrong_count_rows(model, micro_batches):  # counts the ignored rows too
+    model.zero_grad(set_to_none=True)
+    n_rows = sum(len(y) for _, y in micro_batches)
+    for x, y in micro_batches:
+        (nn.functional.cross_entropy(model(x), y, ignore_index=-100, reduction="sum") / n_rows).backward()
+
+
+def _wrong_keeps_old_grad(model, micro_batches):  # right normalization, but the stale gradient stays
+    n_counted = sum(int((y != -100).sum()) for _, y in micro_batches)
+    for x, y in micro_batches:
+        (nn.functional.cross_entropy(model(x), y, ignore_index=-100, reduction="sum") / n_counted).backward()
+
+
+def test_notebook_02_checker_accepts_the_solution_and_rejects_each_mistake(capsys):
+    lesson = _exercise()  # exec'ing the solution cell already claimed that it passes
+    assert lesson["check_accumulation"](lesson["solution_accumulate"])
+    for wrong in (_wrong_mean_over_k, _wrong_count_rows, _wrong_keeps_old_grad):
+        assert not lesson["check_accumulation"](wrong), wrong.__name__
+    assert "fill in my_accumulate" in capsys.readouterr().out  # the stub's NotImplementedError is explained

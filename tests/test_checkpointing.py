@@ -307,3 +307,21 @@ def test_small_helpers_bad_input():
         ck.default_k(0)
     with pytest.raises(ValueError, match="keep n <= 16"):
         chain_explorer(20)
+
+
+# ---------------------------------------------------------------- the exercise's checker, from the notebook's cells
+def test_exercise_checker_accepts_the_optimum_and_rejects_plausible_mistakes(capsys):
+    from course_utils import checks
+
+    cells = [("".join(c["source"]), c["metadata"].get("tags", [])) for c in json.loads(NOTEBOOK.read_text())["cells"]
+             if c["cell_type"] == "code"]
+    namespace = {"ckpt": ck, "checks": checks, "chain_step": RULE}
+    for source, tags in cells:  # the exercise's sizes and budget, the stub, the checker
+        if "EX_SIZES = " in source or "def my_checkpoints(" in source or "def check_my_checkpoints(" in source:
+            exec(compile(source, NOTEBOOK.name, "exec"), namespace)
+    check = namespace["check_my_checkpoints"]
+    assert check(list(namespace["optimum"].checkpoints))
+    # the sqrt(n) rule, keeping everything, a set that fits but recomputes more, one that recomputes less but won't fit
+    for wrong in ([3, 6], [1, 2, 3, 4, 5, 6, 7], [2, 4, 6], [1, 2, 4, 5, 6, 7]):
+        assert not check(wrong), wrong
+    assert "fill in my_checkpoints" in capsys.readouterr().out
