@@ -2,10 +2,12 @@
 
     python -m course_tools.validate --profile full  --out report/      # on a GPU machine
     python -m course_tools.validate --profile smoke --out report/      # dry run on a CPU
+    python -m course_tools.validate --runner ipython ...               # without Jupyter: see execute_notebook
 
 Per notebook: pass/fail, wall time, peak GPU memory seen by ``nvidia-smi`` while it ran (the
 whole device, CUDA context included, as a learner would see it), and the figures it recorded.
-Exits non-zero when any notebook fails. ``scripts/validate_gpu.sh`` wraps it.
+Exits non-zero when any notebook fails. ``scripts/validate_gpu.sh`` wraps it; ``scripts/gpu_check.sh``
+runs it with ``--runner ipython`` on machines that have no Jupyter kernel.
 """
 from __future__ import annotations
 
@@ -79,10 +81,66 @@ def notebooks_in(folder: Path, only: list[str] | None = None) -> list[Path]:
     return paths
 
 
-def run_notebook(path: Path, *, profile: str, results_dir: Path, log_dir: Path, timeout_s: int) -> dict:
-    env = dict(os.environ, COURSE_PROFILE=profile, COURSE_RESULTS_DIR=str(results_dir))
-    cmd = [sys.executable, "-m", "pytest", str(path), "-q", "-p", "no:cacheprovider",
-           "--rootdir", str(REPO_ROOT), "-c", str(REPO_ROOT / "pyproject.toml")]
+RUNNERS = ("nbval", "ipython")
+# nbval's cell markers, as comments in a cell or as its tags (nbval-skip, raises-exception)
+SKIP_MARKER, RAISES_MARKER = "NBVAL_SKIP", "NBVAL_RAISES_EXCEPTION"
+
+
+def cell_markers(cell: dict) -> set[str]:
+    """The nbval markers a code cell carries: comment lines such as ``# NBVAL_SKIP``, or the matching tags."""
+    source = "".join(cell.get("source", ""))
+    found = {line.strip().lstrip("#").strip() for line in source.splitlines() if line.strip().startswith("#")}
+    tags = set(cell.get("metadata", {}).get("tags", []))
+    if "nbval-skip" in tags:
+        found.add(SKIP_MARKER)
+    if tags & {"raises-exception", "nbval-raises-exception"}:
+        found.add(RAISES_MARKER)
+    return found & {SKIP_MARKER, RAISES_MARKER}
+
+
+def execute_notebook(path: Path) -> int:
+    """Run a notebook's code cells in order, in this process, with IPython's ``InteractiveShell`` (display, the
+    ``Out`` prompt and tracebacks as in a kernel, with no Jupyter kernel, ZeroMQ or nbformat); returns 0 when every
+    cell behaved: none raised, except a cell marked ``NBVAL_RAISES_EXCEPTION``, which must raise. Like nbval, it runs
+    from the notebook's folder, skips cells marked ``NBVAL_SKIP`` and runs IPython's startup files first. Saved
+    outputs are not compared: the claim checks are the test (as under nbval in profile full)."""
+    import course_tools.nbval_plugin  # noqa: F401  the environment the course's notebook harness sets up
+    from IPython.core.interactiveshell import InteractiveShell
+
+    cells = [c for c in json.loads(path.read_text(encoding="utf-8"))["cells"] if c["cell_type"] == "code"]
+    os.chdir(path.parent)
+    sys.path.insert(0, str(path.parent))
+    shell = InteractiveShell.instance(colors="nocolor")
+    for startup in sorted(Path(shell.profile_dir.startup_dir).glob("*.py")):
+        if not shell.run_cell(startup.read_text(), store_history=False).success:
+            print(f"[execute] the IPython startup file {startup} raised", flush=True)
+            return 1
+    for number, cell in enumerate(cells, start=1):
+        markers = cell_markers(cell)
+        if SKIP_MARKER in markers:
+            print(f"[execute] code cell {number}/{len(cells)}: skipped ({SKIP_MARKER})", flush=True)
+            continue
+        print(f"[execute] code cell {number}/{len(cells)}", flush=True)
+        raised = not shell.run_cell("".join(cell["source"]), store_history=True).success
+        if raised != (RAISES_MARKER in markers):
+            how = "raised" if raised else f"is marked {RAISES_MARKER} but did not raise"
+            print(f"[execute] {path.name}: code cell {number} {how}", flush=True)
+            return 1
+    print(f"[execute] {path.name}: all {len(cells)} code cells ran", flush=True)
+    return 0
+
+
+def run_notebook(path: Path, *, profile: str, results_dir: Path, log_dir: Path, timeout_s: int,
+                 runner: str = "nbval") -> dict:
+    """Run one notebook in a fresh process (under nbval, or :func:`execute_notebook`) and return its report row."""
+    env = dict(os.environ, COURSE_PROFILE=profile, COURSE_RESULTS_DIR=str(results_dir.resolve()))
+    if runner == "nbval":
+        cmd = [sys.executable, "-m", "pytest", str(path), "-q", "-p", "no:cacheprovider",
+               "--rootdir", str(REPO_ROOT), "-c", str(REPO_ROOT / "pyproject.toml")]
+    elif runner == "ipython":
+        cmd = [sys.executable, "-m", "course_tools.validate", "--execute", str(path.resolve())]
+    else:
+        raise ValueError(f"runner must be one of {RUNNERS}, not {runner!r}.")
     log_path = log_dir / f"{path.stem}.log"
     start = time.perf_counter()
     with GpuMemoryPoller() as poller, open(log_path, "w") as log:
@@ -135,8 +193,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--notebooks", nargs="*", help="only these notebooks (stems), default all")
     parser.add_argument("--timeout", type=int, default=3600, help="seconds per notebook (default 3600)")
     parser.add_argument("--notebooks-dir", default=str(REPO_ROOT / "notebooks"))
+    parser.add_argument("--runner", choices=RUNNERS, default="nbval",
+                        help="nbval (default: a Jupyter kernel, saved outputs compared in profile smoke) or ipython "
+                             "(the code cells in-process with IPython alone: no Jupyter, no nbval)")
+    parser.add_argument("--execute", metavar="NOTEBOOK", help="run this one notebook in this process and exit "
+                        "(what --runner ipython runs for each notebook)")
     args = parser.parse_args(argv)
-    if not (REPO_ROOT / "pyproject.toml").is_file():
+    if args.execute:
+        return execute_notebook(Path(args.execute))
+    if args.runner == "nbval" and not (REPO_ROOT / "pyproject.toml").is_file():
         print(f"validate: no pyproject.toml in {REPO_ROOT}; run it from a checkout of the course repository "
               "(scripts/validate_gpu.sh), whose pytest settings it uses.", file=sys.stderr)
         return 2
@@ -152,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for path in paths:
         print(f"[validate] {path.stem} (profile {args.profile}) ...", flush=True)
-        row = run_notebook(path, profile=args.profile, results_dir=results_dir, log_dir=log_dir, timeout_s=args.timeout)
+        row = run_notebook(path, profile=args.profile, results_dir=results_dir, log_dir=log_dir, timeout_s=args.timeout,
+                           runner=args.runner)
         print(f"[validate] {path.stem}: {'pass' if row['passed'] else 'FAIL'} in {row['wall_s']:.0f} s", flush=True)
         rows.append(row)
     md_path, json_path = write_report(rows, out, profile=args.profile)

@@ -1,5 +1,6 @@
 """course_tools.validate: runs notebooks under nbval and writes a Markdown + JSON report."""
 import json
+import sys
 
 import nbformat
 import pytest
@@ -70,3 +71,75 @@ def test_saved_outputs_are_compared_in_smoke_only(tmp_path, profile, passes):
                            "--rootdir", str(root), "-c", str(root / "pyproject.toml")],
                           cwd=root, env=env, capture_output=True, text=True, timeout=300)
     assert (proc.returncode == 0) is passes, proc.stdout[-2000:]
+
+
+# ---------------------------------------------------------------- the in-process runner (no Jupyter kernel)
+def _cells_notebook(path, *cells):
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(source, metadata={"tags": list(tags)}) for source, tags in cells]
+    nbformat.write(nb, path)
+    return path
+
+
+def test_execute_runs_the_cells_in_order_in_the_notebooks_folder(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # execute_notebook moves into the notebook's folder and puts it on sys.path
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    (tmp_path / "nb").mkdir()
+    (tmp_path / "nb" / "helper.py").write_text("VALUE = 41\n")
+    path = _cells_notebook(tmp_path / "nb" / "01_ok.ipynb",
+                           ("from helper import VALUE\nimport os\nhere = os.getcwd()", ()),
+                           ("from IPython.display import display\ndisplay({'answer': VALUE + 1})", ()),
+                           ("# NBVAL_SKIP\nraise RuntimeError('skipped')", ()),
+                           ("raise ValueError('expected')", ("raises-exception",)),
+                           ("# NBVAL_RAISES_EXCEPTION\n1 / 0", ()),
+                           ("print('cwd', here)", ()))
+    assert validate.execute_notebook(path) == 0
+    out = capsys.readouterr().out
+    assert "{'answer': 42}" in out and f"cwd {tmp_path / 'nb'}" in out
+    assert "code cell 3/6: skipped (NBVAL_SKIP)" in out and "all 6 code cells ran" in out
+
+
+@pytest.mark.parametrize("cells, says", [
+    ((("x = 1", ()), ("assert x == 2, 'a claim that fails'", ()), ("print('never')", ())), "code cell 2 raised"),
+    ((("x = 1", ("raises-exception",)),), "code cell 1 is marked NBVAL_RAISES_EXCEPTION but did not raise"),
+    ((("def broken(:\n    pass", ()),), "code cell 1 raised"),
+])
+def test_execute_fails_on_a_raising_cell(tmp_path, capsys, monkeypatch, cells, says):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    assert validate.execute_notebook(_cells_notebook(tmp_path / "02_bad.ipynb", *cells)) == 1
+    out = capsys.readouterr().out
+    assert says in out and "never" not in out
+
+
+def test_cell_markers_from_comments_and_tags():
+    assert validate.cell_markers({"source": ["# NBVAL_SKIP\n", "x = 1"]}) == {"NBVAL_SKIP"}
+    assert validate.cell_markers({"source": "x = 1", "metadata": {"tags": ["nbval-skip", "raises-exception"]}}) == {
+        "NBVAL_SKIP", "NBVAL_RAISES_EXCEPTION"}
+    assert validate.cell_markers({"source": "# NBVAL_CHECK_OUTPUT\nprint(1)", "metadata": {"tags": ["solution"]}}) == set()
+
+
+@pytest.mark.slow
+def test_ipython_runner_reports_like_nbval_and_runs_startup_files(tmp_path, monkeypatch):
+    notebooks = tmp_path / "notebooks"
+    notebooks.mkdir()
+    _notebook(notebooks / "01_ok.ipynb", "from course_utils import results\n"
+              "results.record('answer', STARTED + 1, 'units', notebook='01_ok')")
+    _notebook(notebooks / "02_bad.ipynb", "assert 1 == 2, 'a claim that fails'")
+    startup = tmp_path / "ipython" / "profile_default" / "startup"
+    startup.mkdir(parents=True)
+    (startup / "00-first.py").write_text("STARTED = 41\n")
+    monkeypatch.setenv("IPYTHONDIR", str(tmp_path / "ipython"))
+    out = tmp_path / "report"
+    rc = validate.main(["--runner", "ipython", "--profile", "smoke", "--out", str(out), "--notebooks-dir",
+                        str(notebooks), "--timeout", "300"])
+    assert rc == 1
+    rows = {r["notebook"]: r for r in json.loads((out / "report.json").read_text())["notebooks"]}
+    assert rows["01_ok"]["passed"] and rows["01_ok"]["figures"]["answer"]["value"] == 42
+    assert not rows["02_bad"]["passed"] and "a claim that fails" in (out / "logs" / "02_bad.log").read_text()
+
+
+def test_unknown_runner_is_a_clear_message(tmp_path):
+    with pytest.raises(ValueError, match="runner must be one of"):
+        validate.run_notebook(tmp_path / "01_x.ipynb", profile="smoke", results_dir=tmp_path, log_dir=tmp_path,
+                              timeout_s=10, runner="papermill")
