@@ -1,22 +1,23 @@
 """What machine is this, which course profile applies, and what a card holds beyond the tensors."""
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
+import re
 import sys
 
 import torch
 
-from .units import GIB, MIB
-from .validation import byte_counts, positive_number
+from .units import GIB, KIB, MIB
+from .validation import byte_counts, positive_int, positive_number
 
 PROFILES = ("smoke", "full")
 
-# What a CUDA card holds beyond PyTorch's tensors. The context (kernels, cuBLAS/cuDNN workspaces)
-# is outside the caching allocator, so torch.cuda.max_memory_allocated() never sees it but
-# nvidia-smi does: typically 0.3-0.5 GiB, larger on newer CUDA versions. The allocator's reserve
-# (rounding, cached free blocks) sits between allocated and reserved. Both are stated assumptions
-# until a GPU measures them (cuda_context_bytes() below).
+# What a CUDA card holds beyond PyTorch's tensors: the CUDA context (kernels, driver state), outside the caching
+# allocator, so max_memory_allocated() never sees it but nvidia-smi does (typically 0.3-0.5 GiB; cuda_context_bytes()
+# measures it); inside the allocator, its reserve (rounding, cached free blocks) and cuBLAS's workspaces
+# (cublas_workspace_bytes()). The context and the reserve are stated assumptions until a GPU measures them.
 CUDA_CONTEXT_BYTES = 512 * MIB
 ALLOCATOR_RESERVE_FRACTION = 0.05
 
@@ -26,11 +27,29 @@ PCIE_GB_PER_S = {"PCIe 3.0 x16": 15.75, "PCIe 4.0 x16": 31.5, "PCIe 5.0 x16": 63
 PCIE_EFFICIENCY = 0.8
 
 
-def gpu_bytes_needed(tensor_peak_bytes: int) -> int:
-    """Bytes a card must have for a step whose tensors peak at ``tensor_peak_bytes``: tensors + the allocator's
-    reserve + the CUDA context. Every "fits in N GiB" compares this with the card."""
+def gpu_bytes_needed(tensor_peak_bytes: int, compute_capability: tuple[int, int] | None = None) -> int:
+    """Bytes a card must have for a step whose tensors peak at ``tensor_peak_bytes``: tensors + the allocator's reserve
+    + cublas_workspace_bytes(compute_capability) + the CUDA context. Every "fits in N GiB" compares it with the card."""
     byte_counts(tensor_peak_bytes=tensor_peak_bytes)
-    return int(tensor_peak_bytes + round(ALLOCATOR_RESERVE_FRACTION * tensor_peak_bytes) + CUDA_CONTEXT_BYTES)
+    return int(tensor_peak_bytes + round(ALLOCATOR_RESERVE_FRACTION * tensor_peak_bytes)
+               + cublas_workspace_bytes(compute_capability) + CUDA_CONTEXT_BYTES)
+
+
+def cublas_workspace_bytes(compute_capability: tuple[int, int] | None = None, handles: int = 2) -> int:
+    """What cuBLAS keeps in the caching allocator for the whole process: a workspace per handle (one per thread that
+    runs matmuls: the loop's and autograd's backward thread) of ``:4096:8`` (32 MiB) on compute capability 9 to 12,
+    else ``:4096:2:16:8`` (8 MiB + 128 KiB), or as CUBLAS_WORKSPACE_CONFIG says (PyTorch 2.14's CublasHandlePool.cpp;
+    cuBLASLt shares it). ``compute_capability`` None: this GPU's, else 9.0 (the larger: no GPU known yet)."""
+    from .precision import recommend_precision
+
+    positive_int(handles, "handles", "threads that run matmuls on the GPU, e.g. 2", allow_zero=True)
+    cc = compute_capability
+    if cc is None:
+        cc = tuple(torch.cuda.get_device_capability(0)) if torch.cuda.is_available() else (9, 0)
+    recommend_precision(cc)  # it checks the input
+    pattern, default = r":(\d+):(\d+)", ":4096:8" if 9 <= cc[0] <= 12 else ":4096:2:16:8"
+    pairs = re.findall(pattern, os.environ.get("CUBLAS_WORKSPACE_CONFIG", "")) or re.findall(pattern, default)
+    return handles * sum(int(kib) * KIB * int(count) for kib, count in pairs)
 
 
 def device_type() -> str:
@@ -91,17 +110,6 @@ def cuda_context_bytes() -> int | None:
     return cuda_context_from_counters(int(free), int(total), int(torch.cuda.memory_reserved()))
 
 
-def allocator_fraction(total_bytes: int, budget_bytes: int, context_bytes: int) -> float:
-    """The fraction of a card to give PyTorch's allocator so that allocator + context fit ``budget_bytes``."""
-    byte_counts(total_bytes=total_bytes, budget_bytes=budget_bytes, context_bytes=context_bytes)
-    if total_bytes == 0:
-        raise ValueError("total_bytes is 0: pass the card's memory (torch.cuda.get_device_properties(0).total_memory).")
-    if budget_bytes <= context_bytes:
-        raise ValueError(f"A budget of {budget_bytes / GIB:.2f} GiB leaves nothing for tensors once the CUDA context "
-                         f"({context_bytes / GIB:.2f} GiB) is counted: raise the budget above the context.")
-    return min(1.0, (budget_bytes - context_bytes) / total_bytes)
-
-
 def cap_gpu_memory(budget_gib: float) -> str:
     """Make a larger GPU behave like one with ``budget_gib`` GiB, so "fits in 12 GB" is proven: the allocator gets
     the budget less the CUDA context. Returns a sentence saying what happened (nothing on CPU/MPS)."""
@@ -113,11 +121,25 @@ def cap_gpu_memory(budget_gib: float) -> str:
     context, how = (measured, "measured") if measured else (CUDA_CONTEXT_BYTES, "assumed")
     if budget >= total:
         return f"{gpu_name()} has {total / GIB:.1f} GiB, not more than the {budget_gib:g} GiB budget: no cap needed."
-    fraction = allocator_fraction(total, budget, context)
+    if budget <= context:
+        raise ValueError(f"A budget of {budget_gib:g} GiB leaves nothing for tensors once the CUDA context "
+                         f"({context / GIB:.2f} GiB) is counted: raise the budget above the context.")
+    fraction = (budget - context) / total
     torch.cuda.set_per_process_memory_fraction(fraction, 0)
     return (f"Capped {gpu_name()} ({total / GIB:.1f} GiB) to {budget_gib:g} GiB: {(budget - context) / GIB:.2f} GiB "
             f"for PyTorch's allocator ({fraction:.1%} of the card) and {context / GIB:.2f} GiB left for the CUDA "
             f"context ({how}).")
+
+
+@contextlib.contextmanager
+def gpu_memory_cap(budget_gib: float):
+    """``with gpu_memory_cap(2) as message:`` cap_gpu_memory(2) in the block, the whole card after it, on errors too."""
+    message = cap_gpu_memory(budget_gib)
+    try:
+        yield message
+    finally:
+        if torch.cuda.is_available():
+            torch.cuda.set_per_process_memory_fraction(1.0, 0)
 
 
 def hardware_report() -> str:

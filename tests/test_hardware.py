@@ -1,4 +1,4 @@
-"""course_utils.hardware: device, profile, bf16 rule, GPU cap, banner."""
+"""course_utils.hardware: device, profile, bf16 rule, GPU cap, cuBLAS workspaces, banner."""
 import pytest
 import torch
 
@@ -49,30 +49,17 @@ def test_cap_gpu_memory_says_it_does_nothing_on_cpu():
 def test_cap_gpu_memory_caps_a_large_gpu():
     total_gib = torch.cuda.get_device_properties(0).total_memory / hardware.GIB
     budget = min(2.0, total_gib / 2)
-    message = hardware.cap_gpu_memory(budget)
-    assert "left for the CUDA context (measured)" in message
-    with pytest.raises(torch.OutOfMemoryError):
-        torch.empty(int((budget + 0.5) * hardware.GIB), dtype=torch.uint8, device="cuda")
-    torch.cuda.set_per_process_memory_fraction(1.0, 0)
+    with hardware.gpu_memory_cap(budget) as message:
+        assert "left for the CUDA context (measured)" in message
+        with pytest.raises(torch.OutOfMemoryError):
+            torch.empty(int((budget + 0.5) * hardware.GIB), dtype=torch.uint8, device="cuda")
+    assert torch.cuda.get_per_process_memory_fraction(0) == 1.0  # the cap is lifted after the block
 
 
 @pytest.mark.parametrize("bad, error", [(0, ValueError), (-3, ValueError), ("12GB", TypeError), (True, TypeError)])
 def test_cap_gpu_memory_bad_input(bad, error):
     with pytest.raises(error, match="budget"):
         hardware.cap_gpu_memory(bad)
-
-
-def test_allocator_fraction_leaves_room_for_the_context():
-    total, context = 80 * hardware.GIB, 512 * hardware.MIB
-    fraction = hardware.allocator_fraction(total, 12 * hardware.GIB, context)
-    assert fraction * total + context == 12 * hardware.GIB
-    assert hardware.allocator_fraction(8 * hardware.GIB, 12 * hardware.GIB, context) == 1.0  # a small card: no cap
-    with pytest.raises(ValueError, match="leaves nothing for tensors"):
-        hardware.allocator_fraction(total, 256 * hardware.MIB, context)
-    with pytest.raises(ValueError, match="context_bytes"):
-        hardware.allocator_fraction(total, 12 * hardware.GIB, -1)
-    with pytest.raises(ValueError, match="total_bytes is 0"):
-        hardware.allocator_fraction(0, 12 * hardware.GIB, context)
 
 
 def test_cuda_context_from_counters_and_a_pretend_card(monkeypatch):
@@ -93,33 +80,99 @@ def test_cuda_context_from_counters_and_a_pretend_card(monkeypatch):
     assert hardware.cuda_context_bytes() == 300 * hardware.MIB
 
 
-def test_cap_gpu_memory_cuda_branch_with_a_pretend_card(monkeypatch):
-    fractions = []
+@pytest.fixture
+def pretend_card(monkeypatch):
+    """An 80 GiB CUDA card on a CPU: the calls to set_per_process_memory_fraction are recorded."""
+    calls = []
 
     class Props:
         total_memory = 80 * hardware.GIB
 
     monkeypatch.setattr(hardware.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(hardware.torch.cuda, "get_device_properties", lambda i: Props())
-    monkeypatch.setattr(hardware.torch.cuda, "set_per_process_memory_fraction", lambda f, i: fractions.append(f))
+    monkeypatch.setattr(hardware.torch.cuda, "set_per_process_memory_fraction", lambda f, device: calls.append((f, device)))
     monkeypatch.setattr(hardware, "gpu_name", lambda: "Pretend GPU")
     monkeypatch.setattr(hardware, "cuda_context_bytes", lambda: 400 * hardware.MIB)
+    return calls
+
+
+def test_cap_gpu_memory_cuda_branch_with_a_pretend_card(pretend_card, monkeypatch):
     message = hardware.cap_gpu_memory(12)
-    assert fractions == [pytest.approx((12 * hardware.GIB - 400 * hardware.MIB) / (80 * hardware.GIB))]
+    (fraction, device), = pretend_card
+    assert fraction * 80 * hardware.GIB + 400 * hardware.MIB == pytest.approx(12 * hardware.GIB)  # allocator + context
+    assert device == 0  # torch refuses torch.device("cuda") without an index
     assert "0.39 GiB left for the CUDA context (measured)" in message and "11.61 GiB" in message
+    with pytest.raises(ValueError, match="leaves nothing for tensors"):
+        hardware.cap_gpu_memory(0.25)
     monkeypatch.setattr(hardware, "cuda_context_bytes", lambda: None)
     assert "0.50 GiB left for the CUDA context (assumed)" in hardware.cap_gpu_memory(12)
-    assert "no cap needed" in hardware.cap_gpu_memory(100) and len(fractions) == 2
+    assert "no cap needed" in hardware.cap_gpu_memory(100) and len(pretend_card) == 2
 
 
-def test_gpu_bytes_needed_adds_reserve_and_context():
+def test_gpu_memory_cap_lifts_the_cap_even_when_the_block_raises(pretend_card):
+    with hardware.gpu_memory_cap(2) as message:
+        assert "Capped Pretend GPU" in message and len(pretend_card) == 1
+    with pytest.raises(RuntimeError, match="out of memory"):
+        with hardware.gpu_memory_cap(2):
+            raise RuntimeError("CUDA out of memory")
+    capped = (pytest.approx((2 * hardware.GIB - 400 * hardware.MIB) / (80 * hardware.GIB)), 0)
+    assert pretend_card == [capped, (1.0, 0)] * 2  # capped, then lifted, each time on device 0
+    assert all(type(f) is float for f, _ in pretend_card)  # torch refuses a fraction that is not a float
+
+
+@pytest.mark.parametrize("cc, per_handle", [((7, 5), 8 * hardware.MIB + 128 * hardware.KIB), ((8, 0), 8_519_680),
+                                            ((8, 9), 8_519_680), ((9, 0), 32 * hardware.MIB),
+                                            ((10, 0), 32 * hardware.MIB), ((12, 0), 32 * hardware.MIB),
+                                            ((13, 0), 8_519_680)])
+def test_cublas_workspaces_per_compute_capability(monkeypatch, cc, per_handle):
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    assert hardware.cublas_workspace_bytes(cc, handles=1) == per_handle
+    assert hardware.cublas_workspace_bytes(cc) == 2 * per_handle  # the loop's thread and autograd's backward thread
+    assert hardware.cublas_workspace_bytes(cc, handles=0) == 0
+
+
+def test_cublas_workspaces_follow_the_environment_and_default_to_the_larger(monkeypatch):
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")  # the small deterministic setting
+    assert hardware.cublas_workspace_bytes((9, 0), handles=1) == 128 * hardware.KIB
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", "not a config")  # PyTorch warns and keeps its default
+    assert hardware.cublas_workspace_bytes((8, 6), handles=1) == 8_519_680
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert hardware.cublas_workspace_bytes() == hardware.cublas_workspace_bytes((9, 0))  # no GPU: the larger one
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: (7, 5))  # a T4
+    assert hardware.cublas_workspace_bytes() == hardware.cublas_workspace_bytes((7, 5))
+
+
+@pytest.mark.parametrize("bad, error, match", [((8,), ValueError, "compute_capability"), ("9.0", ValueError, "compute_capability"),
+                                               (9.0, ValueError, "compute_capability")])
+def test_cublas_workspaces_bad_input(bad, error, match):
+    with pytest.raises(error, match=match):
+        hardware.cublas_workspace_bytes(bad)
+    with pytest.raises(TypeError, match="handles"):
+        hardware.cublas_workspace_bytes((8, 0), handles=1.5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cublas_workspace_is_the_one_torch_uses():
+    if hasattr(torch.backends.cuda, "cublas_workspace_size"):  # torch >= 2.14
+        assert hardware.cublas_workspace_bytes(handles=1) == torch.backends.cuda.cublas_workspace_size()
+
+
+def test_gpu_bytes_needed_adds_reserve_workspaces_and_context():
     tensors = 10 * hardware.GIB
-    expected = tensors + round(hardware.ALLOCATOR_RESERVE_FRACTION * tensors) + hardware.CUDA_CONTEXT_BYTES
-    assert hardware.gpu_bytes_needed(tensors) == expected
-    assert hardware.gpu_bytes_needed(0) == hardware.CUDA_CONTEXT_BYTES
+    for cc in ((7, 5), (9, 0)):
+        expected = (tensors + round(hardware.ALLOCATOR_RESERVE_FRACTION * tensors) + hardware.cublas_workspace_bytes(cc)
+                    + hardware.CUDA_CONTEXT_BYTES)
+        assert hardware.gpu_bytes_needed(tensors, cc) == expected
+    assert hardware.gpu_bytes_needed(tensors, (9, 0)) - hardware.gpu_bytes_needed(tensors, (8, 0)) == 2 * (32 * hardware.MIB - 8_519_680)
+    assert hardware.gpu_bytes_needed(0) == hardware.CUDA_CONTEXT_BYTES + hardware.cublas_workspace_bytes()
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match="tensor_peak_bytes"):
             hardware.gpu_bytes_needed(bad)
+    with pytest.raises(ValueError, match="compute_capability"):
+        hardware.gpu_bytes_needed(tensors, "8.6")
 
 
 def test_banner_has_device_memory_profile_versions(monkeypatch):
