@@ -3,26 +3,21 @@
 The peak is the model's and optimizer's state plus what ``fn`` allocated above the memory live when it started.
 Tensors are tracked with PyTorch's private ``MemTracker`` (CPU, CUDA, fake tensors; tests pin its behaviour);
 on CUDA the peak comes from the caching allocator's counters, plus the reserved peak and the CUDA context.
-An out-of-memory error comes when reserved memory plus a new request exceeds what the card has free, so the
-allocated peak is a lower bound of what a step needs.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
-import weakref
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 from torch import nn
+from torch._guards import detect_fake_mode
 from torch.distributed._tools.mem_tracker import MemTracker  # private API: tests pin what is used of it
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
-from torch.utils._pytree import tree_flatten
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .hardware import cuda_context_from_counters
 from .models import _is_fake
-from .validation import callable_arg, positive_int
+from .validation import callable_arg
 from .units import GIB, MIB  # noqa: F401 - re-exported: notebooks import them from here
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "other")
@@ -37,7 +32,6 @@ def format_bytes(n: float) -> str:
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
-    return f"{n:.2f} TiB"  # pragma: no cover
 
 
 def storage_key(t: torch.Tensor) -> int:
@@ -93,6 +87,21 @@ def _params(model, optimizer) -> list[torch.Tensor]:
     return params + ([p for g in optimizer.param_groups for p in g["params"]] if optimizer is not None else [])
 
 
+def _on(device: torch.device, tensors) -> list[torch.Tensor]:
+    return [t for t in tensors if t.device.type == device.type and device.index in (None, t.device.index)]
+
+
+def state_bytes(model: nn.Module | None = None, optimizer=None, device=None) -> int:
+    """Bytes of parameters, buffers, gradients present and optimizer state on ``device`` (default: the parameters'),
+    each storage once: what measure_memory counts as the state. For CUDA parameters Adam keeps its ``step``
+    counters on the CPU: they are not on the GPU."""
+    _check_state(model, optimizer)
+    params = _params(model, optimizer)
+    state = params + [p.grad for p in params if p.grad is not None] + list(model.buffers() if model is not None else ())
+    state += _state_tensors(optimizer) if optimizer is not None else []
+    return tensor_bytes(*_on(torch.device(device or params[0].device), state)) if params else 0
+
+
 # torch.cuda's functions that measure_memory reads; a counter source (CudaCounters, a fake one in tests) has them all
 _COUNTER_METHODS = ("synchronize", "empty_cache", "reset_peak_memory_stats", "memory_allocated",
                     "max_memory_allocated", "memory_reserved", "max_memory_reserved", "mem_get_info")
@@ -119,7 +128,7 @@ class MemoryReport:
     peak_bytes: int
     by_category: dict[str, int]
     device: str
-    optimizer_state_bytes: int = 0  # state held by the optimizer when fn returned
+    optimizer_state_bytes: int = 0  # state the optimizer held on the device when fn returned
     tracked_peak_bytes: int = 0  # peak seen by tensor tracking (== peak_bytes off CUDA)
     fake: bool = False
     notes: list[str] = field(default_factory=list)
@@ -186,14 +195,18 @@ class _MultiStepMemTracker(MemTracker):
                 self._peak_mem_snap[dev] = dict(dev_snap)
 
 
-def _check_args(fn, model, optimizer, counters) -> None:
+def _check_args(fn, model, optimizer, counters=None) -> None:
     callable_arg(fn, "fn", "a zero-argument callable (e.g. `lambda: train_step(batch)` or a def): wrap the code "
                  "you want to measure in a function")
+    _check_state(model, optimizer)
+    _check_counters(counters)
+
+
+def _check_state(model, optimizer) -> None:
     if model is not None and not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module (or None), not {type(model).__name__}.")
     if optimizer is not None:
         _state_tensors(optimizer)
-    _check_counters(counters)
 
 
 def _check_counters(counters) -> None:
@@ -204,21 +217,19 @@ def _check_counters(counters) -> None:
 
 
 def measure_memory(fn, *, model: nn.Module | None = None, optimizer=None, counters=None) -> MemoryReport:
-    """Run ``fn()`` and report its peak memory and what filled it."""
+    """Run ``fn()`` and report its peak memory and what filled it, on the device of the model's (or optimizer's)
+    parameters, else on the device where fn's tensors peaked highest. ``counters``: the caching allocator's
+    (default: torch.cuda's when that device is a real GPU; tests pass a fake source)."""
     _check_args(fn, model, optimizer, counters)
     params = _params(model, optimizer)
-    device = params[0].device if params else torch.device("cpu")
+    fake = any(_is_fake(p) for p in params) if params else detect_fake_mode() is not None
     tracker = _MultiStepMemTracker()
     tracker.track_external(*(obj for obj in (model, optimizer) if obj is not None))
-    fake = any(_is_fake(p) for p in params)
-    if counters is None and device.type == "cuda" and not fake and torch.cuda.is_available():
-        counters = CudaCounters(device)
+    guessed = counters is None and not params  # without parameters, fn's device is known only once it ran
+    if counters is None and not fake and torch.cuda.is_available() and (guessed or params[0].device.type == "cuda"):
+        counters = CudaCounters(params[0].device if params else "cuda")
 
-    # parameters, buffers, gradients present and optimizer state on the measured device, each storage once
-    state = params + [p.grad for p in params if p.grad is not None]
-    state += list(model.buffers()) if model is not None else []
-    state += _state_tensors(optimizer) if optimizer is not None else []
-    state_at_start = tensor_bytes(*(t for t in state if t.device.type == device.type))
+    state_at_start = state_bytes(model, optimizer)
     if counters is not None:
         counters.synchronize()
         counters.empty_cache()  # cached free blocks from earlier code must not serve fn
@@ -228,10 +239,12 @@ def measure_memory(fn, *, model: nn.Module | None = None, optimizer=None, counte
 
     with tracker:
         fn()
-    snapshots = tracker.get_tracker_snapshot("peak")
-    same = [snap for dev, snap in snapshots.items() if torch.device(dev).type == device.type]
-    # fn worked on another device than the model's (or no model): take the busiest one
-    dev_snap = same[0] if same else max(snapshots.values(), key=lambda s: s.get("Total", 0), default={})
+    snapshots = {torch.device(dev): snap for dev, snap in tracker.get_tracker_snapshot("peak").items()}
+    busiest = max(snapshots, key=lambda dev: snapshots[dev].get("Total", 0), default=torch.device("cpu"))
+    device = params[0].device if params else busiest
+    counters = None if guessed and device.type != "cuda" else counters
+    # fn worked on another device than the model's: take the busiest one
+    dev_snap = next((snap for dev, snap in snapshots.items() if dev.type == device.type), snapshots.get(busiest, {}))
     by_category = dict.fromkeys(CATEGORIES, 0)
     for key, value in dev_snap.items():
         if getattr(key, "value", key) in _TRACKER_TO_CATEGORY:
@@ -240,15 +253,15 @@ def measure_memory(fn, *, model: nn.Module | None = None, optimizer=None, counte
 
     # MemTracker tags all that optimizer.step() allocates as optimizer state, the step's temporaries included
     # (foreach Adam's whole-model scratch): keep as "optimizer" only the state the optimizer holds.
-    state_bytes = optimizer_state_bytes(optimizer) if optimizer is not None else 0
+    held = tensor_bytes(*_on(device, _state_tensors(optimizer))) if optimizer is not None else 0
     notes = []
-    if optimizer is not None and by_category["optimizer"] > state_bytes:
-        extra = by_category["optimizer"] - state_bytes
-        by_category["optimizer"], by_category["other"] = state_bytes, by_category["other"] + extra
+    if optimizer is not None and by_category["optimizer"] > held:
+        extra = by_category["optimizer"] - held
+        by_category["optimizer"], by_category["other"] = held, by_category["other"] + extra
         notes.append(f"{format_bytes(extra)} of optimizer-step temporaries counted as 'other'")
 
     report = MemoryReport(peak_bytes=tracked_peak, by_category=by_category, device=str(device),
-                          optimizer_state_bytes=state_bytes, tracked_peak_bytes=tracked_peak, fake=fake, notes=notes)
+                          optimizer_state_bytes=held, tracked_peak_bytes=tracked_peak, fake=fake, notes=notes)
     if counters is not None:
         counters.synchronize()
         free, total = counters.mem_get_info()
@@ -265,47 +278,3 @@ def measure_memory(fn, *, model: nn.Module | None = None, optimizer=None, counte
                      f"tensor tracking saw {format_bytes(tracked_peak)}")
     return report
 
-
-def live_bytes_over_steps(step: Callable[[int], object], n_steps: int, *, device=None, counters=None) -> list[int]:
-    """Run ``step(i)`` for i in range(n_steps); return the bytes the steps created and still hold after each step
-    (flat: no leak). Allocator counters on CUDA, else storages tracked until freed."""
-    callable_arg(step, "step", "a function of the step index, e.g. `def step(i): ...`")
-    positive_int(n_steps, "n_steps")
-    _check_counters(counters)
-    if counters is None and device is not None and torch.device(device).type == "cuda" and torch.cuda.is_available():
-        counters = CudaCounters(device)
-    series, tracker = [], _LiveBytes() if counters is None else None
-    if counters is not None:
-        counters.synchronize()
-        base = counters.memory_allocated()
-    with tracker or contextlib.nullcontext():
-        for i in range(n_steps):
-            step(i)
-            if counters is not None:
-                counters.synchronize()
-            series.append(counters.memory_allocated() - base if counters is not None else tracker.current)
-    return series
-
-
-class _LiveBytes(TorchDispatchMode):
-    """Counts the bytes of storages created while active and still alive (CPU or fake tensors). Not MemTracker:
-    its module hooks keep the last forward's graph alive when no backward runs, which would fake a leak."""
-
-    def __init__(self):
-        super().__init__()
-        self.current, self._live = 0, {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        older = {storage_key(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
-        for t in tree_flatten(out)[0]:
-            key = storage_key(t) if isinstance(t, torch.Tensor) else None
-            if key is not None and key not in older and key not in self._live:
-                storage = t.untyped_storage()
-                self._live[key] = storage.nbytes()
-                self.current += storage.nbytes()
-                weakref.finalize(storage, self._free, key)
-        return out
-
-    def _free(self, key: int) -> None:
-        self.current -= self._live.pop(key, 0)

@@ -83,7 +83,7 @@ class Timeline:
 
 def record_timeline(fn, *, model: nn.Module | None = None, optimizer=None) -> Timeline:
     """Run ``fn()`` and record every allocation and free, by category and phase."""
-    _check_args(fn, model, optimizer, None)
+    _check_args(fn, model, optimizer)
     import pandas as pd
 
     recorder = _Recorder()

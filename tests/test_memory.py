@@ -1,15 +1,18 @@
 """course_utils.memory: exact byte counts on known tensors and models, fake tensors, the allocator
-branch on a CPU (a fake counter source), stale tensors, live bytes over steps, bad input."""
+branch on a CPU (a fake counter source), the device measured, stale tensors, state on another device, bad input;
+notebook 01's live bytes over steps."""
 import math
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from course_utils import models
-from course_utils.memory import (GIB, MIB, CudaCounters, MemoryReport, format_bytes, iter_tensors,
-                                 live_bytes_over_steps, measure_memory, optimizer_state_bytes, tensor_bytes)
+from course_utils import memory, models
+from course_utils.memory import (GIB, MIB, CudaCounters, MemoryReport, format_bytes, iter_tensors, measure_memory,
+                                 optimizer_state_bytes, state_bytes, tensor_bytes)
+from notebook_lessons import exec_lesson_cells
 
 
 def _mlp_and_adam():
@@ -259,6 +262,85 @@ def test_allocator_branch_counts_only_the_state_on_the_measured_device():
     assert report.peak_bytes == params + step_counters
 
 
+def test_without_a_model_the_device_is_where_fn_allocates():
+    # fake CUDA tensors (no GPU needed) and a fake counter source: fn alone decides the device measured
+    fake = FakeAllocator()
+
+    def fn():
+        x = torch.empty(64 * MIB // 4, device="cuda")  # 64 MiB "on the GPU"
+        fake.allocate(64 * MIB)
+        y = torch.nn.functional.relu(x)
+        fake.allocate(64 * MIB)
+        del x, y
+        fake.free(128 * MIB)
+
+    with models.fake_mode():
+        report = measure_memory(fn, counters=fake)
+    assert report.device == "cuda:0" and report.fake
+    assert report.tracked_peak_bytes == 128 * MIB and report.by_category["other"] + report.by_category["activations"] == 128 * MIB
+    assert report.peak_bytes == 128 * MIB and report.reserved_peak_bytes == 128 * MIB
+    assert report.card_bytes == 128 * MIB + 300 * MIB
+
+
+def test_without_a_model_a_gpu_is_read_only_when_fn_used_it(monkeypatch):
+    # a pretend GPU: measure_memory opens its counters before fn, as it cannot know fn's device yet...
+    opened = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(memory, "CudaCounters", lambda device: opened.append(torch.device(device)) or FakeAllocator())
+    report = measure_memory(lambda: torch.empty(1000))
+    assert opened == [torch.device("cuda")]
+    # ...and drops them when fn worked on the CPU: the CPU figures, no allocator fields
+    assert report.device == "cpu" and report.peak_bytes == 4000 and report.reserved_peak_bytes is None
+    with models.fake_mode():  # fake tensors never reach an allocator: the GPU is not opened
+        assert measure_memory(lambda: torch.empty(1000)).fake
+    model = nn.Linear(64, 10)  # nor for a CPU model
+    measure_memory(lambda: model(torch.randn(2, 64)), model=model)
+    assert len(opened) == 1
+
+
+def test_state_on_another_device_counts_on_neither_side():
+    # For CUDA parameters Adam keeps its `step` counters on the CPU (not capturable, not fused). Here: a CPU model
+    # whose step counters live elsewhere (meta tensors stand in). The state measure_memory adds to the counters'
+    # growth and the state the notebook's formula uses are the same tensors: those on the measured device.
+    model, opt = _mlp_and_adam()
+    _train_step(model, opt)
+    for state in opt.state.values():
+        state["step"] = torch.empty_like(state["step"], device="meta")
+    steps = 4 * len(opt.state)
+    on_device = state_bytes(model, opt)
+    assert on_device == tensor_bytes(*model.parameters()) + optimizer_state_bytes(opt) - steps
+    assert state_bytes(model, opt, device="meta") == steps
+    fake = FakeAllocator()
+    fake.allocate(on_device)
+    report = measure_memory(lambda: (fake.allocate(40 * MIB), fake.free(40 * MIB)), model=model, optimizer=opt,
+                            counters=fake)
+    readings = report.allocator_readings
+    assert state_bytes(model, opt) + readings["max_allocated"] - readings["allocated_at_start"] == report.peak_bytes
+    assert report.peak_bytes == on_device + 40 * MIB
+    assert report.optimizer_state_bytes == optimizer_state_bytes(opt) - steps == report.by_category["optimizer"]
+
+
+def test_state_bytes_checks_its_input():
+    assert state_bytes() == 0
+    with pytest.raises(TypeError, match="nn.Module"):
+        state_bytes("resnet")
+    with pytest.raises(TypeError, match="Optimizer"):
+        state_bytes(optimizer="adam")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_cuda_without_a_model_the_allocator_is_read():
+    def allocate_free_allocate():
+        big = torch.empty(64 * MIB, dtype=torch.uint8, device="cuda")
+        del big
+        return torch.empty(32 * MIB, dtype=torch.uint8, device="cuda").numel()
+
+    report = measure_memory(allocate_free_allocate)
+    assert report.device.startswith("cuda") and report.peak_bytes == 64 * MIB
+    assert report.reserved_peak_bytes >= report.peak_bytes and report.card_bytes > report.peak_bytes
+
+
 def test_off_cuda_the_allocator_fields_are_none():
     model, opt = _mlp_and_adam()
     report = measure_memory(lambda: _train_step(model, opt), model=model, optimizer=opt)
@@ -327,9 +409,17 @@ def test_iter_tensors_walks_nested_outputs():
     assert [t.numel() for t in iter_tensors({"x": [a, (b, 3)], "y": c, "z": "text"})] == [1, 2, 3]
 
 
-# ---------------------------------------------------------------- live bytes over steps (the loss leak)
+# ---------------------------------------------------------------- notebook 01's live bytes over steps (the loss leak)
 
-def test_live_bytes_over_steps_sees_a_leak_and_a_flat_line():
+@pytest.fixture(scope="module")
+def nb01():
+    """Notebook 01's LiveBytes and live_bytes_over_steps, run from its own cell."""
+    notebook = Path(__file__).resolve().parent.parent / "notebooks" / "01_memory_accounting.ipynb"
+    namespace = {"torch": torch, "DEVICE": torch.device("cpu"), "storage_key": memory.storage_key}
+    return exec_lesson_cells(notebook, {"live bytes": lambda src, tags: "class LiveBytes" in src}, namespace)
+
+
+def test_live_bytes_over_steps_sees_a_leak_and_a_flat_line(nb01):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
     totals = {"leak": 0.0, "item": 0.0}
@@ -340,30 +430,30 @@ def test_live_bytes_over_steps_sees_a_leak_and_a_flat_line():
             totals[kind] = totals[kind] + (loss if kind == "leak" else loss.item())
         return step
 
-    leak = live_bytes_over_steps(make_step("leak"), 4)
-    flat = live_bytes_over_steps(make_step("item"), 4)
+    leak = nb01["live_bytes_over_steps"](make_step("leak"), 4)
+    flat = nb01["live_bytes_over_steps"](make_step("item"), 4)
     per_step = [b - a for a, b in zip(leak, leak[1:])]
     assert len(set(per_step)) == 1 and per_step[0] >= 4 * 32 * (16 + 64 + 64)  # at least the saved inputs
     assert flat == [0, 0, 0, 0]  # the model's parameters are not the steps'
 
 
-def test_live_bytes_counts_exact_sizes_and_frees():
+def test_live_bytes_counts_exact_sizes_and_frees(nb01):
     kept = []
-    series = live_bytes_over_steps(lambda i: kept.append(torch.zeros(256)), 3)
+    series = nb01["live_bytes_over_steps"](lambda i: kept.append(torch.zeros(256)), 3)
     assert series == [1024, 2048, 3072]
-    assert live_bytes_over_steps(lambda i: torch.zeros(256), 3) == [0, 0, 0]
+    assert nb01["live_bytes_over_steps"](lambda i: torch.zeros(256), 3) == [0, 0, 0]
+    with nb01["LiveBytes"]() as live:
+        a = torch.zeros(256)
+        view = a[:10]  # a view: no new storage
+        assert live.current == 1024
+        del a
+        assert live.current == 1024  # the view keeps the storage alive
+        del view
+        assert live.current == 0
 
 
-def test_live_bytes_cuda_branch_with_a_fake_counter_source():
+def test_live_bytes_gpu_branch_with_a_fake_counter_source(nb01):
     fake = FakeAllocator()
     fake.allocate(5 * MIB)  # alive before: not the steps'
-    assert live_bytes_over_steps(lambda i: fake.allocate(MIB), 3, counters=fake) == [MIB, 2 * MIB, 3 * MIB]
-
-
-def test_live_bytes_rejects_bad_input():
-    with pytest.raises(TypeError, match="function"):
-        live_bytes_over_steps(3, 2)
-    with pytest.raises(ValueError, match="n_steps"):
-        live_bytes_over_steps(lambda i: None, 0)
-    with pytest.raises(TypeError, match="lacks"):
-        live_bytes_over_steps(lambda i: None, 2, counters="cuda")
+    assert nb01["live_bytes_over_steps"](lambda i: fake.allocate(MIB), 3, counters=fake) == [MIB, 2 * MIB, 3 * MIB]
+    assert fake.calls.count("synchronize") == 4  # before the first step and after each
