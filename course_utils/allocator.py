@@ -1,8 +1,8 @@
 """PyTorch's CUDA caching allocator, simulated in plain Python, and its out-of-memory message, read.
 
 A small model of ``c10/cuda/CUDACachingAllocator.cpp``: each rule names the constant or function of that file it
-copies. It replays an allocation trace (``timeline.Timeline.trace()``) and reports allocated, reserved and
-fragmentation over time, on any machine. Not modelled: streams and events, CUDA graph pools,
+copies. It replays an allocation trace (``timeline.Timeline.trace()``) and reports requested, allocated and
+reserved bytes over time, on any machine. Not modelled: streams and events, CUDA graph pools,
 ``roundup_power2_divisions``, ``garbage_collection_threshold``.
 """
 from __future__ import annotations
@@ -297,9 +297,8 @@ def replay(trace, **options):
         else:
             requested -= sim.live[key].requested if key in sim.live else 0
             sim.free(key)
-        allocated, reserved = sim.allocated, sim.reserved
-        rows.append((requested, allocated, reserved, 1 - allocated / reserved if reserved else 0.0))
-    return pd.DataFrame(rows, columns=["requested", "allocated", "reserved", "fragmentation"]), sim
+        rows.append((requested, sim.allocated, sim.reserved))
+    return pd.DataFrame(rows, columns=["requested", "allocated", "reserved"]), sim
 
 
 def format_size(nbytes: int) -> str:
