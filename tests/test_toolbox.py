@@ -1,9 +1,11 @@
 """Notebook 08 (the current toolbox): its mechanisms, exec'd from the notebook's own cells and checked
 against the libraries they teach (torch's save_on_cpu, peft, torchao, bitsandbytes), and the two
 things course_utils.memory needed for them (tensor subclasses, frozen parameters)."""
+import contextlib
 import copy
 import functools
 import types
+import weakref
 from pathlib import Path
 
 import pytest
@@ -38,7 +40,7 @@ def lesson() -> dict:
     results = types.SimpleNamespace(record=lambda name, value, unit: RECORDED.__setitem__(name, value))
     return exec_lesson_cells(NOTEBOOK, LESSON, {
         "torch": torch, "nn": nn, "F": F, "checkpoint": checkpoint, "memory": memory, "checks": checks, "claim": claim,
-        "results": results, "bnb": bnb, "DEVICE": torch.device("cpu")})
+        "results": results, "bnb": bnb, "weakref": weakref, "DEVICE": torch.device("cpu")})
 
 
 def mlp(layers=4, width=32, seed=0):
@@ -114,10 +116,61 @@ def test_offload_leaves_weights_alone_and_carries_bfloat16():
     xb = torch.randn(4, 8, dtype=torch.bfloat16, requires_grad=True)
     hooks = L["OffloadActivations"](model)
     with hooks:
-        yb = (xb * xb).sum()  # saves xb (bfloat16) twice
+        yb = (xb * xb).sum()  # saves xb (bfloat16) twice: one tensor, sent once
     yb.backward()
     assert torch.equal(xb.grad, 2 * xb.detach())
-    assert hooks.bytes_to_host == 2 * xb.numel() * 2
+    assert hooks.bytes_to_host == hooks.bytes_to_device == xb.numel() * 2
+
+
+def test_offload_sends_a_tensor_saved_twice_once():
+    """A ReLU's output is also the next Linear's input: the hook sends exactly the activations that stay on the
+    device without it, as measure_memory counts them at the forward peak."""
+    L = lesson()
+    model = mlp(layers=6, width=64)
+    x, y = torch.randn(32, 64), torch.randint(0, 3, (32,))
+    hooks = L["OffloadActivations"](model)
+
+    def forward(context):
+        def fn():
+            with context:
+                model(x)
+        return fn
+
+    plain = memory.measure_memory(forward(contextlib.nullcontext()), model=model).by_category["activations"]
+    memory.measure_memory(forward(hooks), model=model)
+    assert hooks.bytes_to_host == plain == 7 * 32 * 64 * 4  # the input and the 6 ReLU outputs, once each
+    hooks = L["OffloadActivations"](model)
+    for a, b in zip(grads(model, x, y), grads(model, x, y, hooks)):
+        assert torch.equal(a, b)
+    assert hooks.bytes_to_device == hooks.bytes_to_host  # the copy back serves both users
+
+
+def test_offload_never_mistakes_a_new_tensor_for_a_freed_one():
+    """Python reuses the id of a freed tensor: a later tensor with that id must travel on its own (the hook keeps a
+    weak reference and the version, and forgets everything after the forward pass)."""
+    L = lesson()
+    model = nn.Linear(8, 8)
+    x = torch.randn(16, 8, requires_grad=True)
+
+    def chain():
+        out = model(x)
+        for _ in range(50):  # each temporary is saved, then freed: its id comes back for the next one
+            out = out + (out * 1.01).sin()
+        return out.sum()
+
+    chain().backward()
+    want = x.grad.clone()
+    x.grad = None
+    hooks, ids = L["OffloadActivations"](model), []
+    pack = hooks.pack
+    hooks.pack = lambda t: (ids.append(id(t)), pack(t))[1]  # note each id the hook sees
+    with hooks:
+        loss = chain()
+    loss.backward()
+    assert len(set(ids)) < len(ids)  # ids did come back
+    assert torch.equal(x.grad, want)
+    assert hooks.bytes_to_device == hooks.bytes_to_host == 51 * 16 * 8 * 4  # x, then each temporary once
+    assert hooks._sent == {}
 
 
 def test_chunked_loss_solution_passes_and_the_mistakes_do_not():
