@@ -106,7 +106,7 @@ write_report() {
   local dry=()
   [ "$DRY_RUN" = 1 ] && dry=(--dry-run)
   timeout "$((REPORT_BUDGET_S * BUDGET_FACTOR))" "$PY" scripts/gpu_check_report.py "$OUT" --total-s "$1" \
-    --budget-s "$((TOTAL_BUDGET_S * BUDGET_FACTOR))" --readme README.md "${dry[@]}"
+    --budget-s "$((TOTAL_BUDGET_S * BUDGET_FACTOR))" --readme README.md ${dry[@]+"${dry[@]}"}
 }
 
 if [ "$REPORT_ONLY" = 1 ]; then
