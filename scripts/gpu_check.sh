@@ -41,7 +41,7 @@ while [ $# -gt 0 ]; do
     --wheels) WHEELS="${2:?--wheels needs a folder}"; shift ;;
     --fetch-wheels) FETCH="${2:?--fetch-wheels needs a folder}"; shift ;;
     --steps) ONLY="${2:?--steps needs a comma-separated list}"; shift ;;
-    -h|--help) sed -n '2,31p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
     *) echo "gpu_check: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
   shift
