@@ -1,6 +1,8 @@
 """Notebook 09's weight streaming, run from the notebook's own cells (the code a learner reads is the code tested):
 the same update as the recipe exactly in fp32 across accumulation and a resume, two blocks on the device at most,
-each block fetched twice per micro-step, the exercise's checker rejecting wrong hooks, and the CUDA engine on a GPU."""
+each block fetched twice per micro-step, the exercise's checker rejecting wrong hooks, a whole optimizer step measured
+on the CPU within 5% of its fake-tensor prediction, dynamic loss scaling, the host-RAM check of profile full, and the
+CUDA engine on a GPU."""
 import warnings
 from pathlib import Path
 
@@ -18,21 +20,32 @@ LESSON = {
     "solution": lambda src, tags: "solution" in tags,
     "loss": lambda src, tags: "def chunked_lm_loss" in src and "class" not in src,
     "trainer": lambda src, tags: "class StreamingTrainer" in src,
+    "host_ram": lambda src, tags: "def model_for_host" in src,
+    "setup": lambda src, tags: "def make_trainer" in src,
+    "prediction": lambda src, tags: "def predict_step" in src,
 }
+# the notebook's settings for a small model in fp32 on the CPU (its settings cell picks the device and the profile)
+SETTINGS = dict(PROFILE="smoke", DEVICE=torch.device("cpu"), ON_GPU=False, DTYPE=torch.float32, LOSS_SCALE=1.0,
+                ACCUM=3, LR=1e-2, MICRO_BATCH=2, SEQ_LEN=16, CHUNK=8, DEMO_MICRO_BATCH=2, DEMO_SEQ=16,
+                SIZE=dict(name="gpt2", vocab_size=64, n_layer=3, n_embd=32, n_head=2, n_positions=32))
+SETTINGS["DEMO"] = SETTINGS["SIZE"]
 TINY = dict(vocab_size=64, n_layer=3, n_embd=32, n_head=2, n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0,
             attn_pdrop=0.0, bos_token_id=63, eos_token_id=63)
 
 
 @pytest.fixture(scope="module")
 def nb():
-    prelude = ("import copy, functools, torch\nimport torch.nn.functional as F\nfrom torch.utils.checkpoint import checkpoint\n"
-               "from course_utils import checks, models\nfrom course_utils.checks import claim\n")
-    namespace = {}
+    prelude = ("import contextlib, copy, functools, warnings, torch\nimport torch.nn.functional as F\n"
+               "from torch.utils._python_dispatch import _disable_current_modes\n"
+               "from torch.utils.checkpoint import checkpoint\n"
+               "from course_utils import capstone, checks, memory, models, planner\nfrom course_utils.checks import claim\n"
+               "from course_utils.memory import GIB\n")
+    namespace = dict(SETTINGS)
     exec(prelude, namespace)
     return exec_lesson_cells(NOTEBOOK, LESSON, namespace)
 
 
-def _trainer(nb, stream, seed=0, device="cpu", engine=None):
+def _trainer(nb, stream, seed=0, device="cpu", engine=None, **scaling):
     from course_utils import models
 
     torch.manual_seed(seed)
@@ -41,7 +54,7 @@ def _trainer(nb, stream, seed=0, device="cpu", engine=None):
     nb["checkpoint_blocks"](model)
     engine = engine or nb["CpuEngine"]()
     return nb["StreamingTrainer"](model.to(device).train(), lambda ps: torch.optim.AdamW(ps, lr=1e-2), fp32, engine,
-                                  stream=stream)
+                                  stream=stream, **scaling)
 
 
 def _batches(n, seed=0):
@@ -124,26 +137,16 @@ def test_fake_engine_prices_a_streamed_step_without_memory(nb):
     """Under fake tensors the engine only resizes storages: the device holds two blocks' weights at most."""
     from course_utils import models
 
-    namespace = dict(nb)
-    exec(_cell_source("class ShapeOnlyEngine").split("@functools")[0], namespace)
     with models.fake_mode():
         model = models.build_gpt2("gpt2", dtype=torch.float16, **TINY)
         nb["checkpoint_blocks"](model)
         trainer = nb["StreamingTrainer"](model.train(), lambda ps: torch.optim.SGD(ps, lr=0.0),
-                                         [p.detach() for p in model.parameters()], namespace["ShapeOnlyEngine"]())
+                                         [p.detach() for p in model.parameters()], nb["ShapeOnlyEngine"]())
         ids = torch.randint(0, TINY["vocab_size"], (2, 16))
         trainer.backward(nb["chunked_lm_loss"](model, ids, 8))
     block_bytes = sum(p.numel() * 2 for p in trainer.streamer.params[0])
     assert trainer.streamer.peak_device_bytes == 2 * block_bytes
     assert trainer.streamer.fetched_bytes == 2 * len(trainer.streamer.blocks) * block_bytes
-
-
-def _cell_source(marker):
-    import json
-
-    cells = json.loads(NOTEBOOK.read_text(encoding="utf-8"))["cells"]
-    (source,) = ["".join(c["source"]) for c in cells if c["cell_type"] == "code" and marker in "".join(c["source"])]
-    return source
 
 
 @pytest.mark.gpu
@@ -180,3 +183,88 @@ def test_checkpoints_wait_on_the_host(nb):
     assert moved == {"pack": TINY["n_layer"], "unpack": 0}
     trainer.backward(loss)
     assert moved == {"pack": TINY["n_layer"], "unpack": TINY["n_layer"]}
+
+
+def test_a_whole_step_measured_on_the_cpu_is_within_5_percent_of_its_fake_tensor_prediction(nb):
+    """The CPU twin of section 4's check: the notebook's trainer and loop, ACCUM micro-steps and then the step, measured
+    by tracking tensors (the host's side kept out by the engine's on_host), against the same step under fake tensors."""
+    from course_utils import memory
+
+    size = SETTINGS["SIZE"]
+    for stream in (False, True):
+        trainer = nb["make_trainer"](stream=stream)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            measured = memory.measure_memory(lambda: nb["train"](trainer, 0, 1), model=trainer.model)
+            predicted = nb["predict_step"](size, stream=stream, as_cuda=False)[0]
+        error = abs(measured.peak_bytes - predicted.peak_bytes) / predicted.peak_bytes
+        assert error <= 0.05, f"stream={stream}: measured {measured.peak_bytes}, predicted {predicted.peak_bytes}"
+        assert measured.by_category["params"] == predicted.by_category["params"]
+        assert measured.by_category["optimizer"] == 0, "the optimizer's state lives on the host: not counted"
+        assert all(p.grad is None for p in trainer.params), "after the step the device holds no gradient"
+        weights = sum(p.numel() * 4 for p in trainer.params)
+        if stream:   # every gradient left as backward made it
+            assert measured.by_category["grads"] == 0 and measured.by_category["params"] < weights
+        else:        # accumulation: every gradient is alive on the device while the last micro-step adds to it
+            assert measured.by_category["grads"] == weights
+
+
+def test_the_host_side_is_what_on_host_hides_and_nothing_else(nb):
+    """on_host hides the host's work from the tracker; a device tensor made outside it is counted in full."""
+    from course_utils import memory
+
+    engine = nb["CpuEngine"]()
+
+    def host_then_device():
+        with engine.on_host():
+            host = torch.zeros(1_000_000)            # the master copy's kind of work: 4 MB, host memory
+        device = torch.zeros(250_000)                # 1 MB on the device
+        return host, device
+
+    report = memory.measure_memory(host_then_device)
+    assert report.peak_bytes == 250_000 * 4
+
+
+def test_an_overflow_skips_the_step_and_halves_a_dynamic_loss_scale(nb):
+    trainer = _trainer(nb, stream=True, loss_scale=2.0**16, dynamic_scale=True)
+    trainer.GROWTH_INTERVAL = 2
+    before = [m.detach().clone() for m in trainer.master]
+    x = _batches(1)[0]
+    trainer.backward(nb["chunked_lm_loss"](trainer.model, x, 8) * float("inf"))   # every gradient inf or NaN
+    assert trainer.step() is False and trainer.skipped == 1 and trainer.scale == 2.0**15
+    assert all(torch.equal(a, m) for a, m in zip(before, trainer.master)), "a skipped step changes no weight"
+    assert all(float(m.grad.abs().sum()) == 0 for m in trainer.master), "and leaves no gradient behind"
+    for _ in range(2):
+        trainer.backward(nb["chunked_lm_loss"](trainer.model, x, 8))
+        assert trainer.step() is True
+    assert trainer.scale == 2.0**16 and trainer.good_steps == 0, "two good steps (the interval here) double it back"
+    assert any(not torch.equal(a, m) for a, m in zip(before, trainer.master)), "good steps move the weights"
+    fixed = _trainer(nb, stream=True)                 # bf16 and fp32: a scale of 1 that never moves
+    fixed.backward(nb["chunked_lm_loss"](fixed.model, x, 8) * float("inf"))
+    assert fixed.step() is False and fixed.scale == 1.0
+
+
+@pytest.mark.parametrize("free_gb, model", [(64, "gpt2-medium"), (12.7, "gpt2-medium"), (6, "gpt2")])
+def test_the_host_ram_check_picks_the_largest_model_whose_trainer_fits(nb, free_gb, model):
+    name, why = nb["model_for_host"](free_gb * 1e9)
+    assert name == model and name in why
+
+
+def test_the_host_ram_check_says_what_to_do_when_nothing_fits(nb):
+    with pytest.raises(ValueError, match="COURSE_PROFILE=smoke"):
+        nb["model_for_host"](1e9)
+
+
+def test_profile_full_falls_back_to_gpt2_small_when_host_ram_is_short(nb, monkeypatch, capsys):
+    """The notebook's own cell, in profile full, with psutil reporting a 6 GB machine."""
+    import sys
+    import types
+
+    from notebook_lessons import exec_lesson_cells
+
+    fake_psutil = types.SimpleNamespace(virtual_memory=lambda: types.SimpleNamespace(available=6e9))
+    monkeypatch.setitem(sys.modules, "psutil", fake_psutil)
+    namespace = dict(nb, PROFILE="full", SIZE=dict(name="gpt2-medium", vocab_size=50257))
+    exec_lesson_cells(NOTEBOOK, {"host_ram": LESSON["host_ram"]}, namespace)
+    assert namespace["SIZE"] == dict(name="gpt2", vocab_size=50257)
+    assert "instead of gpt2-medium" in capsys.readouterr().out
