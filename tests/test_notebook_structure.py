@@ -118,16 +118,13 @@ def test_predict_then_measure(path):
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
-def test_solutions_are_hidden_and_checkers_proven(path):
+def test_solutions_are_hidden(path):
     cells = _cells(path)
     solutions = [(source, meta) for kind, source, meta in cells if kind == "code" and "solution" in meta.get("tags", [])]
     assert solutions, f"{path.name}: an exercise solution in a cell tagged `solution`"
     for source, meta in solutions:
         assert meta.get("jupyter", {}).get("source_hidden") is True, "hidden in JupyterLab"
         assert meta.get("cellView") == "form" and source.startswith("#@title"), "hidden on Colab (a form cell)"
-    code = "\n".join(source for kind, source, _ in cells if kind == "code")
-    assert "checker_rejects(" in code, "the exercise's checker is shown to reject a plausible wrong answer"
-    assert re.search(r'record\(\s*"exercise_checks_reject_wrong"', code)
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
