@@ -1,10 +1,11 @@
 """Will it fit, and what should I turn on? A GPU memory planner for training.
 
-``predict(model, gpu, micro_batch=..., ...)`` predicts one training step's peak GPU memory by category and whether it
-fits; ``cheapest_fit(...)`` picks the course's techniques that fit at the lowest predicted time per step, with the
-notebook that teaches each. The data (GPUs, models' measured coefficients) is ``presets.json``; :mod:`.specs` reads it,
-:mod:`.measure` measures coefficients, :mod:`.model` holds the memory and time models, :mod:`.search` the search and
-:mod:`.widget` notebook 00's tables, charts and interactive planner.
+``predict(model, gpu, micro_batch=..., ...)`` predicts the peak GPU memory of one whole optimizer step (every
+micro-batch's forward and backward, then the optimizer's step) by category, and whether it fits; ``cheapest_fit(...)``
+picks the course's techniques that fit at the lowest predicted time per step, with the notebook that teaches each. The
+data (GPUs, models' measured coefficients) is ``presets.json``; :mod:`.specs` reads it, :mod:`.measure` measures
+coefficients, :mod:`.model` holds the memory and time models, :mod:`.search` the search and :mod:`.widget` notebook
+00's tables, charts and interactive planner.
 """
 from .measure import gpt2_spec, measure_on_cpu, small_cnn
 from .model import CATEGORIES, CPU_STEP_REFERENCE, cpu_step_ns, lora_params, make_settings, predict, step_seconds

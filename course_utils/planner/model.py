@@ -1,24 +1,25 @@
 """The planner's two models: peak memory by category, and time per optimizer step.
 
-Peak memory (tested against ``course_utils.memory.measure_memory``): a model is a *head* (embeddings, classifier,
-loss) around ``n`` *blocks* (transformer layers, CNN stages, MLP layers). For each block :mod:`.measure` measured, per
-sample, the bytes autograd saves (linear in sequence length or image area, plus a sequence-length-squared term for
-math attention), its input (what a checkpoint keeps) and its largest saved tensor. The peak is the highest of:
+Peak memory of one whole optimizer step, every micro-batch's forward and backward and then the step, as
+``course_utils.memory.measure_memory`` measures it (tested for every setting). A model is a *head* (embeddings,
+classifier, loss) around ``n`` *blocks* (transformer layers, CNN stages, MLP layers). For each block :mod:`.measure`
+measured, per sample, the bytes autograd saves (linear in sequence length or image area, plus a sequence-length-squared
+term for math attention), its input (what a checkpoint keeps) and its largest saved tensor. The peak is the highest of:
 
 * **the start of backward**: everything forward saved + the returned logits while the loop holds the outputs
-  (``keep_outputs``) + the loss's temporaries (2 fp32 copies of the logits) + the gradients already there (with
-  accumulation they live across micro-batches);
-* **backward, block by block** (last to first): activations of the blocks not yet processed (with checkpointing: their
-  inputs, plus the block being recomputed) + gradients of the blocks done + 2 x the block's largest saved tensor;
+  (``keep_outputs``) + the loss's temporaries + the gradients already there (all of them from the second micro-batch
+  on: with accumulation they live across micro-batches);
+* **backward, block by block** (last to first): activations of the blocks not yet processed (checkpointed: their
+  inputs, the segment's own until its backward ends, and the block being recomputed; offloaded: the block's saved
+  tensors, back op by op) + gradients of the blocks done + backward's temporaries (2 x the largest saved tensor);
 * **the optimizer step**: all gradients + the step's scratch (foreach Adam on CUDA: one copy of the model; on a CPU:
   two copies of the largest tensor; 8-bit Adam and SGD: none).
 
 On CUDA, ``overhead`` = the caching allocator's reserve + the CUDA context (``hardware.gpu_bytes_needed``); a plan fits
-when tensors + overhead fit the card. The reserve stays a flat fraction (``hardware.ALLOCATOR_RESERVE_FRACTION``, 5%)
-rather than a replay of each plan through the allocator simulator (notebook 01b): replayed fake steps of GPT-2 (124M,
-8 x 512) and GPT-2-XL (1 x 1024) reserved 2.5% and 4.9% above their tensor peaks, and a replay costs about half a
-minute per plan. Attention: 'fused' (the default on CUDA) prices PyTorch's SDPA kernels, 'math' keeps T x T tensors
-(a CPU trains with it); dropout masks are priced as the device keeps them (CUDA: 1 byte per element).
+when tensors + overhead fit the card. The reserve is a flat fraction, not a replay of each plan through notebook 01b's
+allocator simulator (half a minute per plan; replayed fake steps of GPT-2 and GPT-2-XL reserved 2.5-4.9%). Attention:
+'fused' (the default on CUDA) prices PyTorch's SDPA kernels, 'math' keeps T x T tensors (a CPU trains with it);
+dropout masks are priced as the device keeps them (CUDA: 1 byte per element).
 
 Time per optimizer step (the planner's own model, approximate) = compute + optimizer step + PCIe traffic:
 
@@ -129,7 +130,8 @@ def lora_params(model: ModelSpec, rank: int) -> int:
 
 @dataclass
 class Plan:
-    """Predicted peak GPU memory of one training step, by category, and the time model's verdict."""
+    """Predicted peak GPU memory of one whole optimizer step (every micro-batch, then the step), by category, and
+    the time model's verdict."""
 
     model: ModelSpec
     gpu: GPUSpec
@@ -158,9 +160,9 @@ class Plan:
         """The total the card needs against its memory, whether it fits, and the categories."""
         s = self.settings
         lines = [f"{self.model.name} on {self.gpu.name}: {self.peak_bytes / GIB:.2f} GiB of {self.gpu.memory_gib:.1f} "
-                 f"GiB -> {'fits' if self.fits else 'does NOT fit'} (micro-batch {s.micro_batch} x {s.accumulation} "
-                 f"accumulation steps, {s.precision}, {s.optimizer}, checkpointing {s.checkpointing}; "
-                 f"peak {self.phase})"]
+                 f"GiB -> {'fits' if self.fits else 'does NOT fit'}, the peak of one optimizer step ({s.accumulation} "
+                 f"micro-batches of {s.micro_batch}, then the step; {s.precision}, {s.optimizer}, checkpointing "
+                 f"{s.checkpointing}; peak {self.phase})"]
         lines += [f"  {k:<12}{v / GIB:8.2f} GiB" for k, v in self.by_category.items()]
         lines.append(f"  predicted time per optimizer step: {self.step_seconds:.2f} s")
         return "\n".join(lines + [f"  note: {n}" for n in self.notes])
@@ -240,7 +242,8 @@ def _at(c, u):
 
 
 def predict(model, gpu="RTX 3060 (12 GB)", **settings) -> Plan:
-    """Predict one training step's peak GPU memory by category, and its time (see the module docstring).
+    """Predict the peak GPU memory of one whole optimizer step, by category, and its time (see the module docstring):
+    ``accumulation`` micro-batches of ``micro_batch`` (forward and backward each), then the optimizer's step.
 
     ``settings``: the fields of :class:`Settings` (``micro_batch`` is required); ``device='cpu'`` predicts a CPU run
     (no overhead, the CPU's kernels, per-tensor Adam scratch), as the validation against ``measure_memory`` does.
@@ -259,10 +262,12 @@ def _activations(model: ModelSpec, s: Settings) -> dict:
              largest=[B * max(c.largest[i][0] * u, c.largest[i][1] * u * u) for i in range(nb)],
              stem=B * _at(c.stem, u))
     vocab = model.output_per_unit
-    if s.chunked_loss:  # the model returns hidden states; one chunk's logits, log-softmax and 2 gradients at a time
+    if s.chunked_loss:  # the model returns hidden states; one chunk's logits, log-softmax and 2 gradients at a time,
+        # and the running sum of the head's weight gradient: each chunk adds its share (sum, share, new sum at once)
         a["head"] = B * (_at(c.head, u) - 4 * vocab * u)
         chunk = math.ceil(B * u / LOSS_CHUNKS)
-        a["loss"] = chunk * vocab * ((2 if half or amp else 4) + 4 + 8)
+        head_grad = 0 if s.lora_rank else vocab * model.hidden_size * (2 if half else 4)
+        a["loss"] = max(chunk * vocab * ((2 if half or amp else 4) + 4 + 8), 2 * head_grad) + head_grad
     else:
         a["head"] = B * (_at(c.head, u) + (_at(c.output, u) if s.keep_outputs else 0.0))
         a["loss"] = B * 8 * vocab * u  # d(loss)/d(logits) in fp32, twice
@@ -304,7 +309,7 @@ def predict_settings(model: ModelSpec, gpu: GPUSpec, s: Settings) -> Plan:
     # fused update, streamed gradients: one tensor's gradient, and a tied embedding's (complete only when backward
     # reaches the embedding)
     g_one = [gw * adapter if lora else model.block_largest[i] * w for i in range(nb)]
-    tied = model.largest_tensor * w if model.output_per_unit and not lora else 0
+    tied = round(model.output_per_unit) * model.hidden_size * w if model.output_per_unit and not lora else 0
     adam = not s.master_on_cpu and s.optimizer in ("adam", "adamw")
     per_tensor_scratch = (4 if s.device == "cuda" else 8) if adam else 0  # fp32 values per element: CUDA 1, CPU 2
     off = s.offload_activations
@@ -317,19 +322,22 @@ def predict_settings(model: ModelSpec, gpu: GPUSpec, s: Settings) -> Plan:
     done_grads = g_head if not s.stream_grads else 0
     candidates = []
     for seg in reversed(a["segments"]):  # block by block, last to first
-        alive_before = sum(kept[:seg[0]])
+        alive_before = sum(kept[:seg[0]]) + a["kept"][seg[0]]  # the segment's input, kept or back, until it is done
         for i in reversed(seg):
             if grads_before:
                 g_now = g_all
             elif s.fused_update or s.stream_grads:  # the same hook: each gradient leaves as soon as it is complete
-                g_now = tied + g_one[i]
+                g_now = tied + g_one[i] * s.fused_update
             else:
                 g_now = done_grads + grads_of[i]
+            # backward's temporaries: the gradients of the block's largest saved tensor and of its input; or, after the
+            # op, its input's gradient and a weight's new gradient, until it is added to the accumulated one or leaves
+            temps = max(2 * a["largest"][i], a["largest"][i] + g_one[i] * bool(grads_before or s.stream_grads))
             if s.checkpointing != "none":
                 live_acts = stem + alive_before + sum(a["block"][j] for j in seg if j <= i)
-            else:  # offloaded: only this block's saved tensors come back
-                live_acts = stem + (a["block"][i] if off else sum(a["block"][: i + 1]))
-            other = 2 * a["largest"][i] + weight_copies + (per_tensor_scratch * g_one[i] / gw if s.fused_update else 0)
+            else:  # offloaded: the block's saved tensors come back op by op, and the op's gradients take their place
+                live_acts, temps = (a["block"][i], 0) if off else (stem + sum(a["block"][: i + 1]), temps)
+            other = temps + weight_copies + (per_tensor_scratch * g_one[i] / gw if s.fused_update else 0)
             candidates.append(dict(grads=g_now, activations=live_acts, other=other))
             if not s.stream_grads:
                 done_grads += grads_of[i]
