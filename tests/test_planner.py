@@ -134,23 +134,11 @@ def test_a_cpu_runs_math_attention_only():
     assert planner.predict("gpt2", micro_batch=2, attention="fused").settings.attention == "fused"
 
 
-# ---------------------------------------------------------------- validation against measurement
-@pytest.mark.parametrize("name,batch", [("mlp", 32), ("mlp", 256), ("small-cnn", 16), ("small-cnn", 64)])
-def test_prediction_within_10_percent_of_measure_memory(name, batch):
-    measured = planner.measure_on_cpu(name, micro_batch=batch)
-    predicted = planner.predict(name, micro_batch=batch, device="cpu")
-    error = abs(predicted.tensor_peak_bytes - measured.peak_bytes) / measured.peak_bytes
-    assert error <= 0.10, (name, batch, predicted.by_category, measured.by_category)
-
-
-def test_small_gpt2_within_10_percent_at_two_batch_sizes():
+# ---------------------------------------------------------------- a GPT-2 of your own shape
+def test_gpt2_spec_plans_what_it_measured_only():
+    # measured against measure_memory for every setting in tests/test_protocol.py
     spec = planner.gpt2_spec("gpt2", kinds=("fp32",), fake=False, **SMALL_GPT2)
     assert spec.n_params == sum(p.numel() for p in models.build_gpt2("gpt2", **SMALL_GPT2).parameters())
-    for batch, seq in ((2, 64), (8, 64)):
-        measured = planner.measure_on_cpu("gpt2", micro_batch=batch, size=seq, gpt2_overrides=SMALL_GPT2)
-        predicted = planner.predict(spec, micro_batch=batch, size=seq, device="cpu")
-        error = abs(predicted.tensor_peak_bytes - measured.peak_bytes) / measured.peak_bytes
-        assert error <= 0.10, (batch, seq, predicted.by_category, measured.by_category)
     with pytest.raises(ValueError, match="measured for"):
         planner.predict(spec, micro_batch=2, size=64, precision="fp16", device="cpu")
     with pytest.raises(ValueError, match="measured for"):
@@ -278,8 +266,6 @@ def test_bad_names_and_sizes():
         planner.predict("gpt2", micro_batch=2, keep_outputs="yes")
     with pytest.raises(ValueError, match="Unknown GPT-2 size"):
         planner.gpt2_spec("gpt3")
-    with pytest.raises(ValueError, match="too big to train on a CPU"):
-        planner.measure_on_cpu("gpt2-xl", micro_batch=1)
     with pytest.raises(ValueError, match="pass fake=True"):
         measure_presets.measure_spec_data("mlp", fake=False, pricings=("cuda",))
 

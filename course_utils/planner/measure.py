@@ -17,12 +17,10 @@ import contextlib
 import functools
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .. import models
-from ..memory import iter_tensors, measure_memory, storage_key
-from ..validation import positive_int
+from ..memory import iter_tensors, storage_key
 from .specs import ModelSpec, spec_from_data
 
 KINDS = ("fp32", "amp", "half")  # fp32 weights, fp32 weights under autocast, fp16 weights
@@ -211,39 +209,3 @@ def small_cnn():
         nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
         nn.Flatten(), nn.Linear(64 * 7 * 7, 128), nn.ReLU(), nn.Linear(128, 10),
     )
-
-
-def measure_on_cpu(model, *, micro_batch: int, size=None, gpt2_overrides=None):
-    """Train two real fp32 steps with Adam on the CPU; returns ``memory.measure_memory``'s report of the second.
-
-    ``model``: 'mlp' or 'small-cnn' (28 x 28 images), or a GPT-2 size with ``gpt2_overrides`` that keep it small
-    (``size``: tokens, 64 by default; math attention, no KV cache, as the planner's 'cpu' pricing).
-    """
-    micro_batch = positive_int(micro_batch, "micro_batch", "e.g. 8", whole_floats=True)
-    if model in ("mlp", "small-cnn"):
-        net = models.mlp() if model == "mlp" else small_cnn()
-
-        def forward():  # what the usual loop holds until the step ends (the batch, the outputs), and the loss
-            x, y = torch.randn(micro_batch, 1, 28, 28), torch.zeros(micro_batch, dtype=torch.long)
-            return (x, y), F.cross_entropy(net(x), y)
-    elif model in models.GPT2_SIZES and gpt2_overrides:
-        net = models.build_gpt2(model, attention="math", use_cache=False, **gpt2_overrides)
-        seq = positive_int(size or 64, "sequence length", "e.g. 64", whole_floats=True)
-
-        def forward():
-            x = torch.randint(0, net.config.vocab_size, (micro_batch, seq))
-            out = net(input_ids=x, labels=x)
-            return out, out.loss
-    else:
-        raise ValueError(f"{model!r} is too big to train on a CPU here (or unknown): use 'mlp', 'small-cnn' or a small "
-                         "GPT-2 (gpt2_overrides=dict(n_layer=2, n_embd=128, n_head=4)).")
-    opt = torch.optim.Adam(net.parameters(), lr=1e-4)
-
-    def step():
-        held, loss = forward()
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    step()  # the optimizer's state exists from the first step on
-    return measure_memory(step, model=net, optimizer=opt)
