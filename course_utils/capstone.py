@@ -7,6 +7,7 @@ checkpoints that resume bit-for-bit, and the offline corpus, tokenizers, batches
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import warnings
@@ -63,29 +64,30 @@ def cpu_compiles() -> tuple[bool, str]:
 
 
 def cpu_8bit_adams(*, compiles: bool | None = None) -> tuple[dict, str]:
-    """``({name: make(params, lr)}, message)``: the 8-bit-state Adams (about 2 bytes of state per parameter)
-    that can step on this CPU. torchao's ``AdamFp8`` and ``Adam8bit`` compile their step with
-    ``torch.compile``, so they are offered only where it works (``compiles``; None: :func:`cpu_compiles`
-    decides); bitsandbytes' ``Adam8bit`` (eager on a CPU) runs everywhere."""
+    """``({name: make(params, lr)}, message)``: the libraries' 8-bit-state Adams (about 2 bytes of state per
+    parameter) installed here that can step on this CPU. torchao's ``AdamFp8`` and ``Adam8bit`` compile their step
+    with ``torch.compile``, so they are offered only where it works (``compiles``; None: :func:`cpu_compiles`
+    decides); bitsandbytes' ``Adam8bit`` (eager on a CPU) needs no compiler. The message says what is left out, why."""
     if compiles is None:
         compiles, why = cpu_compiles()
     else:
         why = "torch.compile works here" if compiles else "torch.compile does not work here"
-    import bitsandbytes as bnb
-
     adams = {}
-    if compiles:
-        try:
+    try:
+        if compiles:
             import torchao.optim as ao
-        except ImportError:
-            why += "; torchao is not installed (`pip install torchao`)"
-        else:
+
             adams = {"torchao AdamFp8": lambda ps, lr: ao.AdamFp8(ps, lr=lr),
                      "torchao Adam8bit": lambda ps, lr: ao.Adam8bit(ps, lr=lr)}
-    adams["bitsandbytes Adam8bit"] = lambda ps, lr: bnb.optim.Adam8bit(ps, lr=lr)
-    names = ", ".join(adams)
-    return adams, (f"{why}: candidates {names}" if len(adams) > 1 else
-                   f"{why}: only bitsandbytes' Adam8bit (eager, no compiler needed) can step here")
+    except ImportError:
+        why += "; torchao is not installed (`pip install torchao`)"
+    try:
+        import bitsandbytes as bnb
+
+        adams["bitsandbytes Adam8bit"] = lambda ps, lr: bnb.optim.Adam8bit(ps, lr=lr)
+    except ImportError:
+        why += "; bitsandbytes is not installed (`pip install bitsandbytes`)"
+    return adams, f"{why}: {', '.join(adams) or 'no library 8-bit Adam'} can step here"
 
 
 # ---- copy engines: device -> host copies that the streaming hook queues and drains -----------
@@ -178,19 +180,21 @@ FAKE_DEVICE = "cpu"
 
 
 def predict_gpu_peak(config_or_name="gpt2-xl", *, variant: str = "recipe", micro_batch: int = 4, accum_steps: int = 1,
-                     seq_len: int = 1024, dtype: torch.dtype = torch.float16, attention: str = "fused", **overrides):
+                     seq_len: int = 1024, dtype: torch.dtype = torch.float16, attention: str = "fused",
+                     priced_as: str = "cuda", **overrides):
     """The device's :class:`~course_utils.memory.MemoryReport` for one whole optimizer step of the capstone's loop:
     ``accum_steps`` checkpointed micro-steps (forward + backward of GPT-2 in ``dtype`` at ``micro_batch`` x ``seq_len``
     tokens, the logits freed before backward), then the step's device side (gradients handed over and freed), under
-    ``FakeTensorMode``, priced as CUDA keeps the tensors (``attention`` 'fused' or 'math'). ``variant='recipe'``:
-    gradients stay on the device until the step, so from the second micro-step on they are all there while backward
-    adds the next; ``'streamed'``: each leaves once backward produced it. The host side is not counted.
-    GPT-2-XL: about 15 s per micro-step on 2 cores."""
+    ``FakeTensorMode``, priced as CUDA keeps the tensors (``attention`` 'fused' or 'math') or, ``priced_as='cpu'``, as
+    the CPU does. ``variant='recipe'``: gradients stay on the device until the step, so from the second micro-step on
+    they are all there while backward adds the next; ``'streamed'``: each leaves once backward produced it. The host
+    side is not counted. GPT-2-XL: a few seconds per micro-step on 2 cores."""
     from . import models
     from .memory import measure_memory
 
-    if variant not in VARIANTS:
-        raise ValueError(f"variant must be one of {VARIANTS}, not {variant!r}.")
+    for name, value, options in (("variant", variant, VARIANTS), ("priced_as", priced_as, ("cuda", "cpu"))):
+        if value not in options:
+            raise ValueError(f"{name} must be one of {options}, not {value!r}.")
     positive_int(micro_batch, "micro_batch")
     positive_int(accum_steps, "accum_steps", "1 means no accumulation")
     positive_int(seq_len, "seq_len")
@@ -202,9 +206,8 @@ def predict_gpu_peak(config_or_name="gpt2-xl", *, variant: str = "recipe", micro
             model = models.build_gpt2(config, dtype=dtype, attention=attention)
         enable_checkpointing(model)
         model.train()
-        if variant == "streamed":
-            for p in model.parameters():
-                p.register_post_accumulate_grad_hook(_free_grad)
+        for p in model.parameters() if variant == "streamed" else ():  # the gradient leaves once it is complete
+            p.register_post_accumulate_grad_hook(lambda param: setattr(param, "grad", None))
 
         def optimizer_step():
             for _ in range(accum_steps):
@@ -213,13 +216,10 @@ def predict_gpu_peak(config_or_name="gpt2-xl", *, variant: str = "recipe", micro
             for p in model.parameters():  # the step: gradients leave for the host, the device frees them
                 p.grad = None
 
-        with warnings.catch_warnings(), models.as_on_cuda():  # MemTracker warns about the hooks' `grad = None`
+        kernels = models.as_on_cuda() if priced_as == "cuda" else contextlib.nullcontext()
+        with warnings.catch_warnings(), kernels:  # MemTracker warns about the hooks' `grad = None`
             warnings.filterwarnings("ignore", message="Expected a tensor or a traceable wrapper-subclass")
             return measure_memory(optimizer_step, model=model)  # the fake model and its hooks go with this call
-
-
-def _free_grad(param: torch.Tensor) -> None:
-    param.grad = None  # the streamed variant's device side: the gradient is gone once copied
 
 
 # ---- PCIe arithmetic -------------------------------------------------------------------------
@@ -339,7 +339,7 @@ class TokenBatches:
     def __getitem__(self, index: int) -> torch.Tensor:
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
         starts = torch.randint(0, len(self.tokens) - self.seq_len + 1, (self.micro_batch,), generator=gen)
-        return torch.stack([self.tokens[s:s + self.seq_len] for s in starts.tolist()])
+        return self.tokens[starts[:, None] + torch.arange(self.seq_len)]  # a copy: no view keeps the corpus alive
 
 
 def param_diff(a: Iterable[torch.Tensor], b: Iterable[torch.Tensor]) -> float:

@@ -1,22 +1,26 @@
-"""Tests of notebook 06's lesson code (the two-copy step, the trainers, the streaming hook, the exercise's
-checker) and of course_utils.capstone (precision rule, copy engines, micro-batch rule, fake-tensor
-prediction, checkpoints, data).
+"""Tests of notebook 06's lesson code (the two-copy step, the trainers, the streaming hook, the training loop, the
+exercise's checker, the CPU twin of its GPU measurement) and of course_utils.capstone (precision rule, copy engines,
+micro-batch rule, fake-tensor prediction, checkpoints, data).
 
 The lesson lives in the notebook: the tests exec the notebook's own cells (found by what they
 define) and run them on real tensors, so the code a learner reads is the code that is tested.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import json
 import math
 import random
+import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
+from tqdm.auto import tqdm
 
-from course_utils import capstone, checks, hardware, models
+from course_utils import capstone, checks, hardware, memory, models
 from course_utils.checks import claim
 from notebook_lessons import exec_lesson_cells
 
@@ -28,6 +32,8 @@ LESSON = {  # a name the notebook defines -> which of its code cells defines it
     "TwoCopyTrainer": lambda src, tags: src.startswith("class TwoCopyTrainer"),  # with flat_master
     "StreamedTrainer": lambda src, tags: src.startswith("class StreamedTrainer"),
     "Adam8bitCPU": lambda src, tags: src.startswith("def encode(") and "class Adam8bitCPU" in src,
+    "train": lambda src, tags: src.startswith("class SessionLost") and "def train(" in src,  # the training loop
+    "OnTheHost": lambda src, tags: src.startswith("HOST = ") and "class OnTheHost" in src,  # the CPU twin's host
 }
 TOL_FP16 = 0.05  # fp16 device model vs fp32 model: update within 5% of the largest update
 
@@ -37,7 +43,7 @@ def lesson() -> dict:
     """Exec the notebook's lesson cells (in notebook order) and return their namespace."""
     cells = json.loads(NOTEBOOK.read_text(encoding="utf-8"))["cells"]
     ns = {"torch": torch, "functools": functools, "capstone": capstone, "claim": claim, "checks": checks,
-          "LR": 1e-3, "PRECISION": capstone.device_precision(None)}
+          "concurrent": concurrent, "time": time, "tqdm": tqdm, "LR": 1e-3, "PRECISION": capstone.device_precision(None)}
     found = []
     for cell in cells:
         src, tags = "".join(cell["source"]), cell.get("metadata", {}).get("tags", [])
@@ -370,6 +376,62 @@ def test_cuda_copy_engine_streams_the_same_update_as_the_cpu_twin():
     assert capstone.param_diff(cpu.master_params, gpu.master_params) < 1e-5
 
 
+# ----------------------------------------------------------------------------------------------- the CPU twin
+TWIN_MODEL = dict(n_layer=2, n_embd=128, n_head=2, n_positions=64, vocab_size=256, bos_token_id=255, eos_token_id=255)
+TWIN_STEP = dict(micro_batch=2, accum_steps=4, seq_len=32)  # the notebook's protocol: accumulation, then the step
+
+
+def twin_step(variant, on_the_host=True):
+    """Notebook 06's CPU twin: one optimizer step of the notebook's own loop (`train`: the micro-batches, then
+    `trainer.step()`) with its trainer and the capstone's 8-bit Adam, the host half on the notebook's HOST thread
+    (`OnTheHost`), measured by measure_memory. A fresh GPT-2 with dropout, in fp32, as the smoke run's."""
+    L = lesson()
+    torch.manual_seed(0)
+    model = models.build_gpt2("gpt2", **TWIN_MODEL)
+    capstone.enable_checkpointing(model)
+    trainer_class = L["TwoCopyTrainer"] if variant == "recipe" else L["StreamedTrainer"]
+    if on_the_host:
+        trainer_class = type("Twin", (L["OnTheHost"], trainer_class), {})
+    engine = (capstone.CpuCopyEngine(),) if variant == "streamed" else ()
+    trainer = trainer_class(model.train(), adam8bit(), fp32_of(model), L["LossScale"](1.0, dynamic=False), *engine)
+    tokens = torch.randint(0, 256, (4096,), generator=torch.Generator().manual_seed(0))
+    report = memory.measure_memory(lambda: L["train"](trainer, tokens, 1, desc="twin", **TWIN_STEP), model=model)
+    if variant == "streamed":
+        trainer.remove_hooks()
+    return report
+
+
+@functools.lru_cache(maxsize=None)
+def twin_prediction(variant, accum_steps=TWIN_STEP["accum_steps"]):
+    """The notebook's predict_run for the twin: the whole step, priced as the CPU keeps tensors."""
+    step = {**TWIN_STEP, "accum_steps": accum_steps}
+    return capstone.predict_gpu_peak("gpt2", variant=variant, dtype=torch.float32, priced_as="cpu", **step, **TWIN_MODEL)
+
+
+@pytest.mark.parametrize("variant", capstone.VARIANTS)
+def test_cpu_twin_measured_optimizer_step_matches_its_prediction(variant):
+    """Notebook 06's claim, on a small GPT-2: the CPU twin's measured peak of one whole optimizer step (4 micro-batches
+    accumulated, then the step) is within 5% of the fake-tensor prediction of the same step."""
+    measured, predicted = twin_step(variant), twin_prediction(variant)
+    assert measured.by_category["params"] == predicted.by_category["params"]
+    assert measured.by_category["grads"] == predicted.by_category["grads"]  # all of them (recipe), none (streamed)
+    error = abs(measured.peak_bytes - predicted.peak_bytes) / predicted.peak_bytes
+    assert error <= 0.05, f"{variant}: measured {measured.peak_bytes:,} B, predicted {predicted.peak_bytes:,} B"
+
+
+def test_cpu_twin_fails_one_micro_step_and_the_host_counted_as_device():
+    """The twin's 5% is a test that can fail: the prediction of one micro-step (the old protocol) misses the
+    recipe's accumulated gradients, and a twin that counts the host half (fp32 master gradients, staging, the
+    optimizer's temporaries) as device memory measures more than the device holds."""
+    measured = twin_step("recipe")
+    one_micro_step = twin_prediction("recipe", accum_steps=1)
+    assert one_micro_step.by_category["grads"] < measured.by_category["grads"]
+    assert abs(measured.peak_bytes - one_micro_step.peak_bytes) > 0.05 * measured.peak_bytes
+    for variant in capstone.VARIANTS:
+        host_counted = twin_step(variant, on_the_host=False)
+        assert host_counted.peak_bytes > 1.05 * twin_prediction(variant).peak_bytes, variant
+
+
 # ----------------------------------------------------------------------------------------------- the exercise
 def test_exercise_checker_accepts_the_solution_and_rejects_mistakes():
     step, check = lesson()["two_copy_step"], checker()
@@ -548,6 +610,7 @@ def test_course_corpus_is_the_notebooks_prose_and_batches():
     tokens = torch.tensor(capstone.ByteTokenizer().encode(text[:2000]))
     data = capstone.TokenBatches(tokens, seq_len=32, micro_batch=3, seed=5)
     assert data[7].shape == (3, 32) and torch.equal(data[7], data[7])
+    assert data[7].untyped_storage().nbytes() == 3 * 32 * 8  # its own copy: a view would keep the corpus alive
     assert not torch.equal(data[7], data[8])
 
 
@@ -563,6 +626,8 @@ def test_pcie_arithmetic():
 def test_bad_inputs_say_what_to_change():
     with pytest.raises(ValueError, match="variant"):
         capstone.predict_gpu_peak("gpt2", variant="magic")
+    with pytest.raises(ValueError, match="priced_as"):
+        capstone.predict_gpu_peak("gpt2", priced_as="tpu")
     with pytest.raises(ValueError, match="context"):
         capstone.predict_gpu_peak("gpt2", seq_len=4096, n_layer=1)
     with pytest.raises(ValueError, match="positive"):
@@ -614,17 +679,27 @@ def test_cpu_8bit_adams_with_and_without_a_compiler(monkeypatch):
     monkeypatch.setattr(capstone, "cpu_compiles", lambda: (False, "torch.compile cannot build CPU code here (test)"))
     adams, message = capstone.cpu_8bit_adams()
     assert list(adams) == ["bitsandbytes Adam8bit"]
-    assert "cannot build" in message and "only bitsandbytes" in message
+    assert "cannot build" in message and "bitsandbytes Adam8bit can step here" in message
     p = torch.nn.Parameter(torch.zeros(4096))
     assert type(adams["bitsandbytes Adam8bit"]([p], 1e-3)).__name__ == "Adam8bit"
     monkeypatch.setattr(capstone, "cpu_compiles", lambda: (True, "torch.compile builds CPU code here (test)"))
     adams, message = capstone.cpu_8bit_adams()
     assert list(adams) == ["torchao AdamFp8", "torchao Adam8bit", "bitsandbytes Adam8bit"]
-    assert "candidates" in message
+    assert "torchao AdamFp8, torchao Adam8bit, bitsandbytes Adam8bit can step here" in message
     assert type(adams["torchao AdamFp8"]([p], 1e-3)).__module__.startswith("torchao")
     monkeypatch.setitem(__import__("sys").modules, "torchao.optim", None)  # torchao not installed
     adams, message = capstone.cpu_8bit_adams(compiles=True)
     assert list(adams) == ["bitsandbytes Adam8bit"] and "pip install torchao" in message
+
+
+def test_cpu_8bit_adams_without_bitsandbytes(monkeypatch):
+    """A bare machine (no bitsandbytes): the libraries' list leaves it out and says so; notebook 06 then steps with
+    its own Adam8bitCPU (where torch.compile works) or fused AdamW."""
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # `import bitsandbytes` raises ImportError
+    adams, message = capstone.cpu_8bit_adams(compiles=False)
+    assert adams == {} and "bitsandbytes is not installed" in message and "no library 8-bit Adam can step" in message
+    adams, message = capstone.cpu_8bit_adams(compiles=True)
+    assert list(adams) == ["torchao AdamFp8", "torchao Adam8bit"] and "pip install bitsandbytes" in message
 
 
 def test_cpu_compiles_probe_reports_a_missing_compiler(monkeypatch):
