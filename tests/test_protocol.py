@@ -32,7 +32,8 @@ GPT2 = dict(n_layer=4, n_embd=128, n_head=4, vocab_size=256, n_positions=128, bo
 WIDE_VOCAB = dict(GPT2, n_layer=2, n_embd=64, n_head=2, vocab_size=2048, bos_token_id=2047, eos_token_id=2047)
 ROWS = []  # one per measured setting: the table printed at the end
 pytestmark = [pytest.mark.filterwarnings("ignore:.*FakeTensor.*"),
-              pytest.mark.filterwarnings("ignore:Expected a tensor or a traceable wrapper-subclass")]  # grad = None
+              pytest.mark.filterwarnings("ignore:Expected a tensor or a traceable wrapper-subclass"),  # grad = None
+              pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")]  # peft asks transformers
 
 
 @pytest.fixture(scope="module", autouse=True)
