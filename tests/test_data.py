@@ -129,3 +129,12 @@ def test_downloads_go_to_the_course_folder(tmp_path, monkeypatch):
     monkeypatch.setattr(datasets, "MNIST", mnist)
     data.load_mnist(10)
     assert roots == [str(tmp_path / "data")]
+
+
+def test_the_shipped_8x8_digits_are_scikit_learns():
+    digits = data.load_digits()
+    assert digits.data.shape == (1797, 64) and digits.data.min() == 0 and digits.data.max() == 16
+    assert sorted(set(digits.target.tolist())) == list(range(10))
+    sklearn = pytest.importorskip("sklearn.datasets")
+    reference = sklearn.load_digits()
+    assert (digits.data == reference.data).all() and (digits.target == reference.target).all()
