@@ -147,9 +147,9 @@ def test_gpt2_spec_plans_what_it_measured_only():
 
 # ---------------------------------------------------------------- the model's rules
 def test_a_verdict_counts_the_allocator_reserve_and_the_cuda_context():
-    plan = planner.predict("gpt2-medium", micro_batch=4, size=1024)
-    assert plan.by_category["overhead"] == hardware.gpu_bytes_needed(plan.tensor_peak_bytes) - plan.tensor_peak_bytes
-    assert plan.peak_bytes == hardware.gpu_bytes_needed(plan.tensor_peak_bytes)
+    plan = planner.predict("gpt2-medium", micro_batch=4, size=1024)  # an RTX 3060: compute capability 8.6
+    needed = hardware.gpu_bytes_needed(plan.tensor_peak_bytes, (8, 6))
+    assert plan.by_category["overhead"] == needed - plan.tensor_peak_bytes and plan.peak_bytes == needed
     # a card that holds the tensors but not the context and reserve: does not fit
     between = (plan.tensor_peak_bytes + plan.peak_bytes) / 2 / GIB
     tight = planner.predict("gpt2-medium", planner.custom_gpu(between), micro_batch=4, size=1024)
@@ -363,3 +363,15 @@ def test_cheapest_fit_within_a_host_ram_budget():
         planner.cheapest_fit("gpt2-xl", 2, micro_batch=4, size=1024, host_gib=8)
     with pytest.raises(ValueError, match="host_gib must be a positive"):
         planner.cheapest_fit("gpt2-xl", 2, micro_batch=4, size=1024, host_gib=-1)
+
+
+def test_the_overhead_counts_cublas_workspaces_of_the_gpu_planned_for():
+    settings = dict(micro_batch=2, size=512)
+    t4, h100 = planner.predict("gpt2", "T4", **settings), planner.predict("gpt2", "H100 (80 GB)", **settings)
+    assert t4.tensor_peak_bytes == h100.tensor_peak_bytes
+    assert t4.by_category["overhead"] == hardware.gpu_bytes_needed(t4.tensor_peak_bytes, (7, 5)) - t4.tensor_peak_bytes
+    # cuBLAS keeps 32 MiB per handle from compute capability 9.0, 8 MiB + 128 KiB before: 2 handles
+    assert h100.by_category["overhead"] - t4.by_category["overhead"] == 2 * (32 * 2**20 - (8 * 2**20 + 128 * 2**10))
+    assert planner.custom_gpu(6, compute_capability=(8, 6)).compute_capability == (8, 6)
+    with pytest.raises((TypeError, ValueError)):
+        planner.custom_gpu(6, compute_capability=(8,))

@@ -353,7 +353,8 @@ def predict_settings(model: ModelSpec, gpu: GPUSpec, s: Settings) -> Plan:
     parts = dict(params=params, optimizer=optimizer, **phases[phase])
     by_cat = {k: int(round(parts[k])) for k in MEMORY_CATEGORIES}
     tensor_peak = sum(by_cat.values())
-    by_cat["overhead"] = gpu_bytes_needed(tensor_peak) - tensor_peak if s.device == "cuda" else 0
+    cc = tuple(gpu.compute_capability) if gpu.compute_capability else None
+    by_cat["overhead"] = gpu_bytes_needed(tensor_peak, cc) - tensor_peak if s.device == "cuda" else 0
     notes = []
     if any(key.startswith("cuda-") for key in model.acts):  # measured with attention
         notes.append("attention: " + ("PyTorch's fused SDPA kernel (flash for fp16/bf16, memory-efficient for fp32): "

@@ -10,10 +10,11 @@ from functools import lru_cache
 from importlib import resources
 
 from ..hardware import PCIE_EFFICIENCY, PCIE_GB_PER_S
+from ..precision import recommend_precision
 from ..units import GIB, MIB
 from ..validation import positive_int, positive_number
 
-GPU_SPEEDS = ("fp32_tflops", "half_tflops", "bf16", "mem_bandwidth_gbs", "pcie")
+GPU_SPEEDS = ("fp32_tflops", "half_tflops", "bf16", "mem_bandwidth_gbs", "pcie", "compute_capability")
 
 
 @lru_cache(maxsize=1)
@@ -34,6 +35,7 @@ class GPUSpec:
     bf16: bool = True  # native bf16 (compute capability >= 8.0)
     mem_bandwidth_gbs: float = 360.0
     pcie: str = "PCIe 4.0 x16"
+    compute_capability: tuple | None = None  # sizes cuBLAS's workspaces (hardware.cublas_workspace_bytes); None: 9.0
 
     @property
     def memory_gib(self) -> float:
@@ -54,14 +56,16 @@ def gpu_presets() -> dict:
 
 def custom_gpu(memory_gib: float, *, name: str = "custom GPU", **speeds) -> GPUSpec:
     """A GPU you describe: its memory in GiB; ``speeds`` (default: an RTX 3060's): fp32_tflops, half_tflops, bf16,
-    mem_bandwidth_gbs, pcie (a link name such as 'PCIe 3.0 x16')."""
+    mem_bandwidth_gbs, pcie (a link name such as 'PCIe 3.0 x16'), compute_capability (e.g. (8, 6))."""
     positive_number(memory_gib, "memory_gib", "e.g. custom_gpu(6) for a 6 GiB card")
     for key, value in speeds.items():
         if key not in GPU_SPEEDS:
             raise ValueError(f"Unknown GPU field {key!r}; use {', '.join(GPU_SPEEDS)}.")
         if key == "pcie" and value not in PCIE_GB_PER_S:
             raise ValueError(f"Unknown PCIe link {value!r}; choose one of {list(PCIE_GB_PER_S)}.")
-        if key not in ("bf16", "pcie"):
+        if key == "compute_capability":
+            recommend_precision(value)  # checks it: a (major, minor) pair
+        elif key not in ("bf16", "pcie"):
             positive_number(value, key, "speeds are positive numbers")
     return GPUSpec(name, int(memory_gib * GIB), **speeds)
 
