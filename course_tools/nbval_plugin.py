@@ -189,8 +189,15 @@ def _peak_rss_item_class():
     return PeakRssItem
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "after_notebooks: runs after every notebook of the session (it reads what "
+                                       "they recorded)")
+
+
 def pytest_collection_modifyitems(session, config, items):
-    """Append a peak-RSS check after the last cell of every notebook that runs."""
+    """Append a peak-RSS check after the last cell of every notebook that runs; tests marked ``after_notebooks``
+    (they compare the figures several notebooks recorded) go last."""
+    items.sort(key=lambda item: item.get_closest_marker("after_notebooks") is not None)  # stable: order kept
     try:
         from nbval.plugin import IPyNbFile
     except ImportError:
