@@ -154,3 +154,24 @@ def test_product_files_stand_alone():
                 or re.search(r"\bseed articles?\b|\bthe seed's\b", text, re.I):
             offenders.append(path.relative_to(ROOT).as_posix())
     assert not offenders, f"product files that do not stand alone: {offenders}"
+
+
+# ---------------------------------------------------------------------------- predict, then see; pictures
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_no_answer_is_shown_before_it_is_predicted(path):
+    """Predict cells are saved empty; the cells that show their answers, and solutions, are saved without output
+    (`make outputs` refreshes a notebook and hides them: course_tools.hide_answers)."""
+    from course_tools import hide_answers
+
+    problems = hide_answers.problems(json.loads(path.read_text(encoding="utf-8")))
+    assert not problems, f"{path.name}: {problems}; run python -m course_tools.hide_answers {path.name}"
+
+
+FIGURE_CALL = re.compile(r"plt\.subplots|plt\.figure|sns\.\w+plot\(|\bplot_\w+\(|\.plot\(")
+
+
+@pytest.mark.parametrize("path", LESSONS, ids=[p.stem for p in LESSONS])
+def test_at_least_two_titled_figures(path):
+    drawn = [source for kind, source, _ in _cells(path)
+             if kind == "code" and FIGURE_CALL.search(source) and "title" in source]
+    assert len(drawn) >= 2, f"{path.name}: {len(drawn)} cell(s) draw a titled figure; results people compare are plotted"
