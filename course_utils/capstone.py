@@ -182,13 +182,11 @@ FAKE_DEVICE = "cpu"
 def predict_gpu_peak(config_or_name="gpt2-xl", *, variant: str = "recipe", micro_batch: int = 4, accum_steps: int = 1,
                      seq_len: int = 1024, dtype: torch.dtype = torch.float16, attention: str = "fused",
                      priced_as: str = "cuda", **overrides):
-    """The device's :class:`~course_utils.memory.MemoryReport` for one whole optimizer step of the capstone's loop:
-    ``accum_steps`` checkpointed micro-steps (forward + backward of GPT-2 in ``dtype`` at ``micro_batch`` x ``seq_len``
-    tokens, the logits freed before backward), then the step's device side (gradients handed over and freed), under
-    ``FakeTensorMode``, priced as CUDA keeps the tensors (``attention`` 'fused' or 'math') or, ``priced_as='cpu'``, as
-    the CPU does. ``variant='recipe'``: gradients stay on the device until the step, so from the second micro-step on
-    they are all there while backward adds the next; ``'streamed'``: each leaves once backward produced it. The host
-    side is not counted. GPT-2-XL: a few seconds per micro-step on 2 cores."""
+    """The device's :class:`~course_utils.memory.MemoryReport` for one whole optimizer step of the capstone's loop under
+    ``FakeTensorMode``: ``accum_steps`` checkpointed micro-steps of GPT-2 in ``dtype`` (logits freed before backward),
+    then the step's device side (gradients freed); priced as CUDA keeps tensors (``attention`` 'fused' or 'math') or,
+    ``priced_as='cpu'``, as a CPU does. 'recipe': gradients stay until the step (all there from the second micro-step
+    on); 'streamed': each leaves once produced. The host side is not counted. GPT-2-XL: seconds per micro-step."""
     from . import models
     from .memory import measure_memory
 

@@ -36,12 +36,10 @@ def gpu_bytes_needed(tensor_peak_bytes: int, compute_capability: tuple[int, int]
 
 
 def cublas_workspace_bytes(compute_capability: tuple[int, int] | None = None, handles: int = 2) -> int:
-    """What cuBLAS keeps in the caching allocator for the whole process: a workspace per handle (one per thread that
-    runs matmuls: the loop's and autograd's backward thread) of ``:4096:8`` (32 MiB) on compute capability 9 to 12,
-    else ``:4096:2:16:8`` (8 MiB + 128 KiB), or as CUBLAS_WORKSPACE_CONFIG says (PyTorch 2.14's CublasHandlePool.cpp;
-    cuBLASLt shares it). ``compute_capability`` None: this GPU's, else 9.0 (the larger: no GPU known yet)."""
-    from .precision import recommend_precision
-
+    """cuBLAS's workspaces in the caching allocator: one per handle (a thread running matmuls: the loop's, autograd's),
+    ``:4096:8`` (32 MiB) on compute capability 9-12, else ``:4096:2:16:8`` (8 MiB + 128 KiB), or CUBLAS_WORKSPACE_CONFIG
+    (PyTorch 2.14's CublasHandlePool.cpp; cuBLASLt shares it). ``compute_capability`` None: this GPU's, else 9.0."""
+    from .precision import recommend_precision  # precision -> estimate -> memory import this module
     positive_int(handles, "handles", "threads that run matmuls on the GPU, e.g. 2", allow_zero=True)
     cc = compute_capability
     if cc is None:

@@ -73,13 +73,10 @@ def fake_mode():
 
 @contextlib.contextmanager
 def as_on_cuda():
-    """Inside ``with as_on_cuda():``, fake tensors save for backward what CUDA's kernels save.
-
-    ``F.dropout`` runs ``torch.native_dropout`` (a bool mask, as on CUDA; the CPU keeps one in the input's dtype), and
-    ``F.scaled_dot_product_attention`` on fake tensors calls the kernel a GPU picks (flash for fp16/bf16 without a
-    mask, else memory-efficient), since PyTorch's kernel choice needs a GPU; the padding mask transformers builds
-    for fake tensors is dropped. Both are restored on exit; real tensors keep their device's attention.
-    """
+    """Inside ``with as_on_cuda():``, fake tensors save for backward what CUDA's kernels save: ``F.dropout`` runs
+    ``torch.native_dropout`` (a bool mask, as on CUDA; a CPU keeps one in the input's dtype), and fake tensors'
+    ``F.scaled_dot_product_attention`` calls the kernel a GPU picks (flash for fp16/bf16 without a mask, else
+    memory-efficient; the padding mask transformers builds for fake tensors is dropped). Both restored on exit."""
     functional = nn.functional
     dropout, sdpa = functional.dropout, functional.scaled_dot_product_attention
 

@@ -9,6 +9,7 @@ from typing import Callable, NamedTuple
 import torch
 import torch.utils.benchmark as benchmark
 
+from .memory import optimizer_state_bytes
 from .validation import callable_arg, positive_int, positive_number
 
 
@@ -40,27 +41,19 @@ def time_fns(fns: dict, *, rounds: int = 3, min_run_time: float = 0.2, **kwargs)
     return {label: statistics.median(values) for label, values in turns.items()}
 
 
-class OptimizerStep(NamedTuple):
-    """What :func:`cpu_optimizer_step` measured: per parameter, at ``threads`` threads."""
-
-    ns_per_param: float  # the best of the timed repeats
-    first_step_s: float  # the step that creates the state (and compiles, for compiled optimizers)
-    state_bytes_per_param: float
-    threads: int
-    n_params: int
+# ns_per_param: the best of the timed repeats; first_step_s: the step that creates the state (and compiles)
+OptimizerStep = NamedTuple("OptimizerStep", [("ns_per_param", float), ("first_step_s", float),
+                                             ("state_bytes_per_param", float), ("threads", int), ("n_params", int)])
 
 
 def cpu_optimizer_step(make_optimizer: Callable, n_params: int = 2**22, *, threads: int | None = None,
                        repeats: int = 3, min_run_time: float = 0.2) -> OptimizerStep:
     """Time one CPU optimizer step, the one way the course does: ``make_optimizer([param])`` on one fp32 parameter of
     ``n_params`` values (a multiple of 256: 8-bit optimizers quantize whole blocks) with a gradient; a first step
-    creates the state; then the *best* of ``repeats`` medians at ``threads`` threads (default: torch's), since load on
-    a shared machine only ever adds time."""
+    creates the state; then the *best* of ``repeats`` medians (load on a shared machine only ever adds time)."""
     callable_arg(make_optimizer, "make_optimizer", "a function [param] -> optimizer")
     n = positive_int(n_params, "n_params", "e.g. 2**22")
     threads = torch.get_num_threads() if threads is None else positive_int(threads, "threads", "e.g. 1 or 2")
-    from .memory import optimizer_state_bytes
-
     gen = torch.Generator().manual_seed(0)
     param = torch.nn.Parameter(torch.randn(n, generator=gen) * 0.02)
     param.grad = torch.randn(n, generator=gen) * 1e-3
