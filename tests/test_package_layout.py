@@ -14,7 +14,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 MODULE_LINE_LIMIT = 600
-PACKAGE_LINE_LIMIT = 4_500  # "a small shared helper package": what is not the lesson, readable in an afternoon
+# "a small shared helper package": what is not the lesson, readable in an afternoon. 4,500 held notebooks 00-09;
+# the memory doctor (01c) and the optimizers below Adam (10) bring two new concepts to measure and plan.
+PACKAGE_LINE_LIMIT = 5_000
 MODULES = sorted((ROOT / "course_utils").rglob("*.py"))
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 
