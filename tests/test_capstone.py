@@ -22,13 +22,15 @@ from tqdm.auto import tqdm
 
 from course_utils import capstone, checks, hardware, memory, models
 from course_utils.checks import claim
-from notebook_lessons import exec_lesson_cells
+from notebook_lessons import checker_rejects, exec_lesson_cells
 
 NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "06_capstone_gpt2_xl.ipynb"
 LESSON = {  # a name the notebook defines -> which of its code cells defines it
     "LossScale": lambda src, tags: src.startswith("class LossScale"),
     "check_two_copy_step": lambda src, tags: "checker" in tags and "def check_two_copy_step" in src,
-    "two_copy_step": lambda src, tags: "solution" in tags and "def two_copy_step" in src,  # runs the checker
+    "two_copy_step": lambda src, tags: src.startswith("@torch.no_grad()\ndef two_copy_step("),  # the learner's stub
+    "two_copy_step_solution": lambda src, tags: "solution" in tags and "def two_copy_step_solution" in src,  # checks itself
+    "two_copy_step_used": lambda src, tags: src.startswith("try:") and "two_copy_step_used = " in src,  # stub: solution
     "TwoCopyTrainer": lambda src, tags: src.startswith("class TwoCopyTrainer"),  # with flat_master
     "StreamedTrainer": lambda src, tags: src.startswith("class StreamedTrainer"),
     "Adam8bitCPU": lambda src, tags: src.startswith("def encode(") and "class Adam8bitCPU" in src,
@@ -434,8 +436,24 @@ def test_cpu_twin_fails_one_micro_step_and_the_host_counted_as_device():
 
 
 # ----------------------------------------------------------------------------------------------- the exercise
+def test_the_trainer_uses_the_learners_step_once_it_passes():
+    """The stub raised, so the trainer steps with the solution; a step that passes the check replaces it, one
+    that fails does not."""
+    L = lesson()
+    assert L["two_copy_step_used"] is L["two_copy_step_solution"]
+    picks = {"choice": LESSON["two_copy_step_used"]}
+
+    def mine(*args):
+        return L["two_copy_step_solution"](*args)
+
+    for learners, used in ((mine, mine), (lambda d, m, opt, scale: True, L["two_copy_step_solution"])):
+        ns = exec_lesson_cells(NOTEBOOK, picks, {"check_two_copy_step": checker(), "two_copy_step": learners,
+                                                 "two_copy_step_solution": L["two_copy_step_solution"]})
+        assert ns["two_copy_step_used"] is used
+
+
 def test_exercise_checker_accepts_the_solution_and_rejects_mistakes():
-    step, check = lesson()["two_copy_step"], checker()
+    step, check = lesson()["two_copy_step_solution"], checker()
     assert check(step) is True
 
     def no_unscale(d, m, opt, scale):
@@ -467,7 +485,7 @@ def test_exercise_checker_accepts_the_solution_and_rejects_mistakes():
             x.grad.zero_()  # overwrites what streaming put there
         return step(d, m, opt, scale)
 
-    assert checks.checker_rejects(check, no_unscale, never_skips, no_copy_back,
+    assert checker_rejects(check, no_unscale, never_skips, no_copy_back,
                                   keeps_master_grads, ignores_streamed_grads)
 
 

@@ -87,12 +87,15 @@ def test_compare_prediction_wrong_type_is_explained(bad):
 
 
 def test_checker_rejects():
+    """The tests' proof that an exercise checker rejects wrong answers (tests/notebook_lessons.py)."""
+    from notebook_lessons import checker_rejects
+
     def checker(value):
         return checks.check_exercise("answer", value, 42)
 
-    assert checks.checker_rejects(checker, 41, 43)
-    assert not checks.checker_rejects(checker, 41, 42)  # 42 is accepted, so the "wrong" list is not all rejected
+    assert checker_rejects(checker, 41, 43)
+    assert not checker_rejects(checker, 41, 42)  # 42 is accepted, so the "wrong" list is not all rejected
     with pytest.raises(ValueError, match="at least one"):
-        checks.checker_rejects(checker)
+        checker_rejects(checker)
     with pytest.raises(TypeError, match="check function"):
-        checks.checker_rejects(42, 1)
+        checker_rejects(42, 1)

@@ -128,6 +128,14 @@ def test_solutions_are_hidden(path):
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_checkers_are_proven_in_the_tests(path):
+    """A notebook keeps the learner's check; the proof that it rejects wrong answers is test scaffolding, and runs
+    in tests/ (notebook_lessons.checker_rejects)."""
+    code = "\n".join(source for kind, source, _ in _cells(path) if kind == "code")
+    assert "checker_rejects" not in code, f"{path.name}: move the checker's rejection proof into tests/"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_no_package_source_printed(path):
     code = "\n".join(source for kind, source, _ in _cells(path) if kind == "code")
     assert "getsource" not in code, "the lesson's code lives in the notebook's cells, not printed from the package"

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from course_utils import precision as P
-from notebook_lessons import exec_lesson_cells
+from notebook_lessons import checker_rejects, exec_lesson_cells
 
 NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "04_mixed_precision.ipynb"
 
@@ -165,10 +165,8 @@ def test_check_amp_step_rejects_wrong_orders(nb, wrong, says, capsys):
 
 
 def test_checker_rejects_counts_every_wrong_order(nb):
-    from course_utils import checks
-
-    assert checks.checker_rejects(nb["check_amp_step"], _clip_before_unscale, _update_before_step, _optimizer_step)
-    assert not checks.checker_rejects(nb["check_amp_step"], _clip_before_unscale, _right)
+    assert checker_rejects(nb["check_amp_step"], _clip_before_unscale, _update_before_step, _optimizer_step)
+    assert not checker_rejects(nb["check_amp_step"], _clip_before_unscale, _right)
 
 
 def test_the_overflow_is_real(nb):

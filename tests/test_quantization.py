@@ -11,7 +11,7 @@ from torch import nn
 from course_utils import estimate, memory, models
 from course_utils import quantization as Q
 
-from notebook_lessons import exec_lesson_cells
+from notebook_lessons import checker_rejects, exec_lesson_cells
 
 NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "05_8bit_adam.ipynb"
 
@@ -233,8 +233,8 @@ def test_checker_rejects_counts_every_wrong_answer(check_block_quantizer):
     from course_utils import checks
 
     check = lambda fns: check_block_quantizer(*fns, _block(), _code())  # noqa: E731
-    assert checks.checker_rejects(check, (_code_above, _dequantize), (_linear_int8, _dequantize))
-    assert not checks.checker_rejects(check, (_code_above, _dequantize), (_quantize, _dequantize))
+    assert checker_rejects(check, (_code_above, _dequantize), (_linear_int8, _dequantize))
+    assert not checker_rejects(check, (_code_above, _dequantize), (_quantize, _dequantize))
 
 
 def test_check_block_quantizer_bad_inputs(check_block_quantizer):

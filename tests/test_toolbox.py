@@ -16,7 +16,7 @@ from torch.utils.checkpoint import checkpoint
 
 from course_utils import checks, memory, models
 from course_utils.checks import claim
-from notebook_lessons import exec_lesson_cells
+from notebook_lessons import checker_rejects, exec_lesson_cells
 
 NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "08_current_toolbox.ipynb"
 LESSON = {  # a name the notebook defines -> which of its code cells defines it
@@ -174,10 +174,28 @@ def test_offload_never_mistakes_a_new_tensor_for_a_freed_one():
 
 
 def test_chunked_loss_solution_passes_and_the_mistakes_do_not():
-    L = lesson()  # exec'ing the solution cell already claimed both; check again, and the value directly
-    assert RECORDED["exercise_checks_reject_wrong"] is True
+    L = lesson()  # exec'ing the solution cell already claimed that it passes; check again, and the value directly
     solution, check = L["chunked_cross_entropy_solution"], L["check_chunked_loss"]
     assert check(solution, verbose=False)
+
+    def wrong_whole_logits(hidden, weight, targets, chunk_tokens):  # chunks the loss of logits made whole
+        chunks = zip((hidden @ weight.T).split(chunk_tokens), targets.split(chunk_tokens))
+        return sum(F.cross_entropy(lg.float(), y, reduction="sum") for lg, y in chunks) / targets.numel()
+
+    def wrong_no_checkpoint(hidden, weight, targets, chunk_tokens):  # right value, but backward keeps every chunk
+        chunks = zip(hidden.split(chunk_tokens), targets.split(chunk_tokens))
+        return sum(F.cross_entropy((h @ weight.T).float(), y, reduction="sum") for h, y in chunks) / targets.numel()
+
+    def wrong_mean_of_means(hidden, weight, targets, chunk_tokens):  # the short last chunk weighs as much
+        chunks = list(zip(hidden.split(chunk_tokens), targets.split(chunk_tokens)))
+        return sum(checkpoint(lambda h, y: F.cross_entropy((h @ weight.T).float(), y), h, y, use_reentrant=False)
+                   for h, y in chunks) / len(chunks)
+
+    def wrong_sum(hidden, weight, targets, chunk_tokens):  # forgets to divide by the number of tokens
+        return solution(hidden, weight, targets, chunk_tokens) * targets.numel()
+
+    assert checker_rejects(lambda f: check(f, verbose=False), wrong_whole_logits, wrong_no_checkpoint,
+                           wrong_mean_of_means, wrong_sum)
     torch.manual_seed(1)
     hidden, weight, targets = torch.randn(37, 8), torch.randn(50, 8), torch.randint(0, 50, (37,))
     for chunk in (1, 5, 37, 64):

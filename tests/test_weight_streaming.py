@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from notebook_lessons import exec_lesson_cells
+from notebook_lessons import checker_rejects, exec_lesson_cells
 
 NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "09_smaller_than_the_model.ipynb"
 LESSON = {
@@ -17,7 +17,9 @@ LESSON = {
     "engines": lambda src, tags: "class CpuEngine" in src,
     "streamer": lambda src, tags: "class WeightStreamer" in src,
     "checker": lambda src, tags: "def check_block_hooks" in src,
+    "stub": lambda src, tags: src.startswith("def before_block(") and "NotImplementedError" in src,
     "solution": lambda src, tags: "solution" in tags,
+    "choice": lambda src, tags: "block_hooks = " in src,  # the learner's pair once it passes, else the solution's
     "loss": lambda src, tags: "def chunked_lm_loss" in src and "class" not in src,
     "trainer": lambda src, tags: "class StreamingTrainer" in src,
     "host_ram": lambda src, tags: "def model_for_host" in src,
@@ -113,24 +115,37 @@ def test_two_blocks_at_most_each_fetched_twice_and_a_lower_peak(nb):
 
 
 def test_the_exercise_checker_accepts_the_solution_and_rejects_mistakes(nb):
-    from course_utils import checks
-
     check = nb["check_block_hooks"]
-    assert check(nb["before_block"], nb["after_block"], verbose=False)
+    before, after = nb["before_block_solution"], nb["after_block_solution"]
+    assert check(before, after, verbose=False)
 
-    def keeps_all(streamer, i):
+    def keeps_all(streamer, i):  # forward keeps every block: the GPU holds the whole model
         pass
 
-    def late_fetch(streamer, i):
+    def late_fetch(streamer, i):  # fetches only when needed: correct, but nothing overlaps
         streamer.start_fetch(i)
         streamer.install(i)
 
     def evicts_before_use(streamer, i):
-        nb["before_block"](streamer, i)
+        before(streamer, i)
         streamer.evict(i)
 
-    assert checks.checker_rejects(lambda pair: check(*pair, verbose=False), (nb["before_block"], keeps_all),
-                                  (late_fetch, nb["after_block"]), (evicts_before_use, nb["after_block"]))
+    def prefetch_one_way(streamer, i):  # prefetches i + 1 in backward too: the wrong block, fetched again
+        late_fetch(streamer, i)
+        streamer.start_fetch(i + 1)
+
+    assert checker_rejects(lambda pair: check(*pair, verbose=False), (before, keeps_all), (late_fetch, after),
+                           (evicts_before_use, after), (prefetch_one_way, after))
+
+
+def test_the_trainer_streams_with_the_learners_hooks_once_they_pass(nb):
+    """The stub raised, so the trainer uses the solution's pair; a pair that passes the check replaces it."""
+    assert nb["block_hooks"] == (nb["before_block_solution"], nb["after_block_solution"])
+    picks = {"choice": LESSON["choice"]}
+    mine = (lambda s, i: nb["before_block_solution"](s, i), lambda s, i: nb["after_block_solution"](s, i))
+    for pair, used in ((mine, mine), ((lambda s, i: None, lambda s, i: None), nb["block_hooks"])):
+        ns = exec_lesson_cells(NOTEBOOK, picks, {**nb, "before_block": pair[0], "after_block": pair[1]})
+        assert ns["block_hooks"] == used
 
 
 def test_fake_engine_prices_a_streamed_step_without_memory(nb):
