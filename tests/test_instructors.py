@@ -53,3 +53,47 @@ def test_binder_builds_from_the_course_requirements_and_points_at_this_repositor
     owner_name = colab.canonical_repo_url().removeprefix("https://github.com/")
     assert f"mybinder.org/v2/gh/{owner_name}/main" in (ROOT / "README.md").read_text(), \
         "the README's Binder badge must point at pyproject's Repository URL"
+
+
+def _section(title: str) -> str:
+    guide = GUIDE.read_text()
+    start = guide.index(title)
+    return guide[start:guide.index("\n#", start + len(title))]
+
+
+def test_the_three_day_plan_covers_every_notebook_at_its_study_time():
+    """Every notebook of the study-times table appears once, with the table's study minutes (run time included),
+    and each day's total is the sum of its notebooks."""
+    table = GUIDE.read_text().split("<!-- study-times:begin -->")[1].split("<!-- study-times:end -->")[0]
+    study = {n: int(m) for n, m in re.findall(r"^\| (\d\d[a-z]?)_\w+ \|.* (\d+) min \|$", table, re.M)}
+    in_table = list(study)
+    planned = []
+    days = re.findall(r"^\| (\d) \| (.+) \| (\d+) min \|$", _section("### Three-day course"), re.M)
+    assert len(days) == 3, "the three-day plan has a row per day"
+    for day, notebooks, total in days:
+        entries = re.findall(r"(\d\d[a-z]?) \((\d+)\)", notebooks)
+        for number, minutes in entries:
+            assert int(minutes) == study[number], f"day {day}: {number} studies in {study[number]} min, not {minutes}"
+        assert sum(int(m) for _, m in entries) == int(total), f"day {day}'s notebooks do not add up to {total} min"
+        planned += [number for number, _ in entries]
+    assert sorted(planned) == sorted(in_table), f"the plan lists {sorted(planned)}, the table {sorted(in_table)}"
+    assert {f"{n:02d}" for n in range(10)} <= set(planned), "00-09 are all in the plan"
+
+
+def test_the_half_day_workshop_adds_up():
+    rows = re.findall(r"^\| (\d):(\d\d) \| .*\((\d+) min", _section("### Half-day workshop"), re.M)
+    starts = [60 * int(h) + int(m) for h, m, _ in rows]
+    ends = [start + int(minutes) for start, (_, _, minutes) in zip(starts, rows)]
+    assert starts[0] == 0 and starts[1:] == ends[:-1], "each slot starts when the one before ends"
+    assert ends[-1] == 210, "the slots fill the 3.5 hours"
+
+
+def test_the_study_times_table_is_counted_from_the_notebooks_as_they_are():
+    """The table's study minutes are study_times' count of each notebook now, plus its run time: a notebook that
+    grows or shrinks needs the table regenerated (python -m course_tools.study_times)."""
+    from course_tools import study_times
+
+    table = GUIDE.read_text().split("<!-- study-times:begin -->")[1].split("<!-- study-times:end -->")[0]
+    for name, run_s, minutes in re.findall(r"^\| (\d\d[a-z]?_\w+) \|.*\| (\d+) s \| (\d+) min \|$", table, re.M):
+        counted = study_times.count(ROOT / "notebooks" / f"{name}.ipynb", float(run_s)).study_minutes
+        assert abs(counted - int(minutes)) <= 1, f"{name}: counted {counted:.0f} min, the table says {minutes}"

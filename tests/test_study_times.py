@@ -13,17 +13,38 @@ def _notebook(path, cells):
 
 def test_counts_words_code_predictions_and_exercises(tmp_path):
     nb = _notebook(tmp_path / "01_x.ipynb", [
-        {"cell_type": "markdown", "source": "# Title\n\nSix words of prose live here.", "metadata": {}},
-        {"cell_type": "code", "source": "a = 1\n\nb = 2\n", "metadata": {}},
+        {"cell_type": "markdown", "source": "# Title\n\nSix words of [prose](https://a.b/c) live here.", "metadata": {}},
+        {"cell_type": "code", "source": "import course_utils\nPROFILE = 1\n", "metadata": {}},  # setup: not counted
+        {"cell_type": "code", "source": "a = 1\n\n# a comment\nb = 2\n", "metadata": {}},
+        {"cell_type": "code", "source": "def f(x):\n    # why\n    return x\n\n\nprint(f(1))\n", "metadata": {}},
         {"cell_type": "code", "source": "guess = 3\n", "metadata": {"tags": ["predict"]}},
         {"cell_type": "markdown", "source": "## Exercise: write it", "metadata": {}},
-        {"cell_type": "code", "source": "hidden = 1\nsolution = 2\n", "metadata": {"tags": ["solution"]}},
+        {"cell_type": "code", "source": "#@title Solution\ndef g(x):\n    y = x + 1\n    return y\n\n\nassert g(1)\n",
+         "metadata": {"tags": ["solution"]}},
     ])
     row = study_times.count(nb, run_seconds=60)
-    assert (row.words, row.code_lines, row.predict_cells, row.exercises) == (10, 3, 1, 1)
-    expected = 10 / study_times.WORDS_PER_MINUTE + 3 / study_times.CODE_LINES_PER_MINUTE \
-        + study_times.PREDICT_MINUTES + study_times.EXERCISE_MINUTES + 1
+    assert (row.words, row.dense_lines, row.light_lines, row.predict_cells, row.exercises, row.solution_lines) == \
+        (10, 2, 4, 1, 1, 3)  # the link's address is not read; def f's two lines are dense; g's three are written
+    expected = 10 / study_times.WORDS_PER_MINUTE + 2 / study_times.DENSE_LINES_PER_MINUTE \
+        + 4 / study_times.LIGHT_LINES_PER_MINUTE + study_times.PREDICT_MINUTES + study_times.EXERCISE_MINUTES \
+        + 3 * study_times.EXERCISE_MINUTES_PER_LINE + 1
     assert row.study_minutes == pytest.approx(expected)
+
+
+def test_dense_code_and_longer_exercises_take_longer(tmp_path):
+    """A cell that defines a function reads slower than one that prints; an exercise with a longer solution
+    takes longer; a %%writefile script counts whole as dense."""
+    def minutes(cells):
+        return study_times.count(_notebook(tmp_path / "02_y.ipynb", [{"cell_type": "code", "source": "x = 1",
+                                                                      "metadata": {}}] + cells)).study_minutes
+    code = lambda src, tags=(): {"cell_type": "code", "source": src, "metadata": {"tags": list(tags)}}  # noqa: E731
+    exercise = {"cell_type": "markdown", "source": "## Exercise", "metadata": {}}
+    prints = "\n".join(f"print({i})" for i in range(6))
+    dense = "def f():\n" + "\n".join(f"    a{i} = {i}" for i in range(5))
+    assert minutes([code(dense)]) > minutes([code(prints)])
+    assert minutes([code("%%writefile w.py\n" + prints)]) == pytest.approx(minutes([code(dense)]))
+    short, long = "def s():\n    return 1\n", "def s():\n" + "    a = 1\n" * 9 + "    return a\n"
+    assert minutes([exercise, code(long, ["solution"])]) > minutes([exercise, code(short, ["solution"])])
 
 
 def test_run_times_come_from_the_validation_report(tmp_path):
