@@ -7,7 +7,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install lab test check outputs clean
+.PHONY: install lab test test-fast check outputs clean
 
 $(STAMP): requirements.txt pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "Python 3.10+ is needed (3.11 recommended); set PYTHON=python3.11")'
@@ -24,8 +24,17 @@ ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
 lab: install
 	$(VENV)/bin/jupyter lab $(ALLOW_ROOT) notebooks/00_start_here.ipynb
 
-test: install
-	$(PY) -m pytest
+# Every test: the unit tests, each notebook once (as a learner installs it, network off, cell by cell under nbval,
+# in the background while the unit tests run), the browser test. It ends with where the time went and its wall
+# time, install included.
+test:
+	@start=$$(date +%s); status=0; \
+	$(MAKE) --no-print-directory install && $(PY) -m pytest || status=$$?; \
+	echo "make test: $$(( $$(date +%s) - start )) s wall, install included"; exit $$status
+
+# Contributors: the unit tests alone (no notebook, no browser, nothing marked slow), in under two minutes.
+test-fast: install
+	$(PY) -m pytest tests -m "not slow and not after_notebooks" -q
 
 check: install
 	$(PY) -m course_tools.preflight --record

@@ -1,5 +1,8 @@
 """Pytest plugin for the course's notebook harness (loaded by pyproject's ``-p course_tools.nbval_plugin``).
 
+- Each notebook runs once, as a learner installs the course, network off, in the background while the unit tests
+  run (``course_tools.notebook_runs``); its cells' items report that run's outcomes. ``COURSE_NOTEBOOKS=here`` runs
+  them in this environment instead.
 - Notebooks and tests run without a display and without the internet, in a fresh course folder (COURSE_HOME).
 - nbval compares stderr in checked cells; warnings and progress bars there are not lessons, so stderr is skipped.
 - The committed outputs come from a profile-smoke run. In profile full (a GPU run) sizes, and so printed numbers,
@@ -8,11 +11,12 @@
 from __future__ import annotations
 
 import os
+import time
 
 os.environ.setdefault("MPLBACKEND", "Agg")
 # Tests start from an empty course folder: a checkpoint or worker file left by an earlier run (or by the
 # learner) must not change what a notebook does under test. COURSE_HOME set by the caller wins.
-if not os.environ.get("COURSE_HOME"):
+if not os.environ.get("COURSE_HOME") and not os.environ.get("COURSE_INSTALLED_RUN"):  # installed runs: HOME's
     import tempfile
 
     os.environ["COURSE_HOME"] = tempfile.mkdtemp(prefix="course-test-home-")
@@ -138,16 +142,39 @@ def _kernel_pid(nbfile):
     return getattr(process, "pid", None) or getattr(provisioner, "pid", None)
 
 
-def _patch_rss() -> None:
+def _patch_rss_and_installed_runs() -> None:
+    """A notebook's kernel memory sampled from its setup; in installed mode no kernel here, and each cell's item
+    reports the installed run's outcome instead of running the cell."""
     try:
-        from nbval.plugin import IPyNbFile
+        from nbval.plugin import IPyNbCell, IPyNbFile
     except ImportError:
         return
     if getattr(IPyNbFile, "_course_rss_patched", False):
         return
     original_setup = IPyNbFile.setup
+    original_runtest, original_repr = IPyNbCell.runtest, IPyNbCell.repr_failure
+
+    def runtest(self):
+        if not _installed(self.config):
+            return original_runtest(self)
+        if self.options["skip"]:
+            import pytest
+
+            pytest.skip()
+        _report_installed_outcome(self, self.name)
+
+    def repr_failure(self, excinfo):
+        if isinstance(excinfo.value, InstalledRunFailure):
+            return str(excinfo.value)
+        return original_repr(self, excinfo)
+
+    IPyNbCell.runtest, IPyNbCell.repr_failure = runtest, repr_failure
 
     def setup_with_sampler(self):
+        if _installed(self.config):  # the notebook runs elsewhere (course_tools.notebook_runs): no kernel here
+            self.setup_sanitize_files()
+            self._course_rss = None
+            return
         original_setup(self)
         pid = _kernel_pid(self)
         self._course_rss = KernelMemorySampler(pid) if pid else None
@@ -156,7 +183,7 @@ def _patch_rss() -> None:
     IPyNbFile._course_rss_patched = True
 
 
-_patch_rss()
+_patch_rss_and_installed_runs()
 
 
 def _peak_rss_item_class():
@@ -166,6 +193,9 @@ def _peak_rss_item_class():
         """The last test of each notebook: its kernel's peak resident memory, recorded and checked."""
 
         def runtest(self):
+            if _installed(self.config):
+                _report_installed_outcome(self, "peak_rss")
+                return
             sampler = getattr(self.parent, "_course_rss", None)
             if sampler is None:
                 pytest.skip("the kernel's process could not be found, so its memory was not sampled")
@@ -174,6 +204,8 @@ def _peak_rss_item_class():
             try:
                 from course_utils import results
 
+                if os.environ.get("COURSE_INSTALLED_RUN"):
+                    raise RuntimeError("inside an installed run the test run records it")  # not into the repository
                 results.record("peak_rss_mib", round(peak_mib, 1), "MiB", notebook=self.parent.path.stem)
             except Exception:  # recording is a convenience; the limit below is the test
                 pass
@@ -189,9 +221,117 @@ def _peak_rss_item_class():
     return PeakRssItem
 
 
+# ----------------------------------------------------------------------------------------------
+# Notebooks as installed, once, in the background (course_tools.notebook_runs)
+# ----------------------------------------------------------------------------------------------
+class InstalledRunFailure(Exception):
+    """A cell that failed in the notebook's installed run; its text is that run's report."""
+
+
+def _installed(config) -> bool:
+    return getattr(config, "_course_notebooks", None) == "installed"
+
+
+def _report_installed_outcome(item, name: str) -> None:
+    import pytest
+
+    from course_tools import notebook_runs
+
+    path = item.parent.path
+    result = notebook_runs.runs().result(path)
+    cell = (result.get("cells") or {}).get(name)
+    if cell is None:
+        raise InstalledRunFailure(
+            f"{path.name}: its installed run did not reach {name}.\n{result.get('error') or ''}\n"
+            f"--- runner ---\n{result.get('runner_log', '')}")
+    item.user_properties.extend(tuple(p) for p in cell.get("properties", []))
+    if name == "peak_rss":
+        for key, value in cell.get("properties", []):
+            if key == "peak_rss_mib":
+                try:
+                    from course_utils import results
+
+                    results.record("peak_rss_mib", value, "MiB", notebook=path.stem)
+                except Exception:  # recording is a convenience; the limit is the test
+                    pass
+    if cell["outcome"] == "skipped":
+        pytest.skip(cell["text"] or "skipped in the installed run")
+    if cell["outcome"] == "failed":
+        raise InstalledRunFailure(f"(in {path.name}'s installed run: {result.get('isolation')}, network off)\n"
+                                  + cell["text"])
+
+
 def pytest_configure(config):
+    import pytest
+
+    from course_tools import notebook_runs
+
     config.addinivalue_line("markers", "after_notebooks: runs after every notebook of the session (it reads what "
                                        "they recorded)")
+    try:
+        config._course_notebooks = notebook_runs.mode()
+        notebook_runs.workers()
+    except ValueError as err:
+        raise pytest.UsageError(str(err)) from None
+    config._course_started = time.perf_counter()
+    config._course_durations = {}
+    _CONFIG["config"] = config
+
+
+def pytest_collection_finish(session):
+    """Start the selected notebooks' installed runs now, so they run while the unit tests do."""
+    if not _installed(session.config) or session.config.option.collectonly:
+        return
+    try:
+        from nbval.plugin import IPyNbFile
+    except ImportError:
+        return
+    notebooks = list(dict.fromkeys(item.parent.path for item in session.items if isinstance(item.parent, IPyNbFile)))
+    if notebooks:
+        from course_tools import notebook_runs
+        from course_utils import paths
+
+        base = session.config._tmp_path_factory.mktemp("notebook-runs")  # pytest keeps the last three runs'
+        notebook_runs.runs(results_dir=paths.results_dir(), base=base).start(notebooks)
+
+
+_CONFIG: dict = {}  # this test run's config, for the hooks that are not given it
+
+
+def pytest_runtest_logreport(report):
+    durations = getattr(_CONFIG.get("config"), "_course_durations", None)
+    if durations is not None and ".ipynb::" not in report.nodeid:
+        durations[report.nodeid] = durations.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """The run's wall time and its ten slowest items; each notebook counts as one item (its installed run)."""
+    from course_tools import notebook_runs
+
+    if not hasattr(config, "_course_started"):
+        return
+    runs = notebook_runs.active()
+    slow = [(seconds, nodeid) for nodeid, seconds in config._course_durations.items()]
+    done = runs.done() if runs else {}
+    for path, result in done.items():
+        slow.append((result.get("wall_s", 0.0), f"{path.name} (its installed run, in the background)"))
+    wall = time.perf_counter() - config._course_started
+    terminalreporter.write_sep("-", "course: where the time went")
+    if runs and done:
+        span = (runs.finished or time.perf_counter()) - runs.started
+        terminalreporter.write_line(f"notebooks: {len(done)} run as installed in {span:.0f} s, {runs.workers} at a "
+                                    f"time, beside the unit tests")
+    for seconds, name in sorted(slow, reverse=True)[:10]:
+        terminalreporter.write_line(f"{seconds:8.1f} s  {name}")
+    terminalreporter.write_line(f"pytest wall time: {wall:.0f} s ({wall / 60:.1f} min)")
+
+
+def pytest_unconfigure(config):
+    from course_tools import notebook_runs
+
+    runs = notebook_runs.active()
+    if runs is not None:
+        runs.stop()
 
 
 def pytest_collection_modifyitems(session, config, items):

@@ -1,0 +1,156 @@
+"""Each notebook runs once per test run, as installed, in the background while the unit tests run.
+
+The README's test command used to run every notebook twice: under nbval with the repository's editable install, then
+again as a learner installs it (``course_tools.installed``). One run now does both: the installed run is an nbval
+run with the course's plugin and options, and it reports every cell, so the test items stay one per cell
+(``course_tools.nbval_plugin`` turns each cell's item into a lookup of its outcome here). The runs start as soon as
+pytest has collected, ``WORKERS`` at a time, longest first, and the main process runs the unit tests meanwhile:
+the notebooks' cells are collected last, so by the time pytest reaches them most have finished.
+
+``COURSE_NOTEBOOKS=here`` runs notebooks the old way instead: nbval in this process's environment, with the
+repository's editable install (quicker to start while editing a notebook; the installed checks are then skipped).
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import shutil
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from . import installed
+
+# Each notebook's smoke run may take at most this many reference workloads (installed.REFERENCE_WORKLOAD, timed just
+# before the notebook in the same conditions): about twice what it took on an idle 2-core CPU with the unit tests
+# running beside it. A notebook over its budget fails tests/test_installed.py; its slowest cells are named there.
+BUDGETS = {
+    "00_start_here": 25, "01_memory_accounting": 30, "01b_reading_gpu_memory": 25, "01c_memory_doctor": 25,
+    "02_gradient_accumulation": 40, "03_gradient_checkpointing": 35, "04_mixed_precision": 25, "05_8bit_adam": 25,
+    "06_capstone_gpt2_xl": 80, "07_beyond_one_gpu": 30, "08_current_toolbox": 45, "09_smaller_than_the_model": 45,
+    "10_beyond_adam": 40,
+}
+MODES = ("installed", "here")
+
+
+def mode() -> str:
+    """How this test run executes notebooks: 'installed' (the default) or 'here' (``COURSE_NOTEBOOKS=here``)."""
+    if os.environ.get("COURSE_INSTALLED_RUN"):
+        return "here"  # inside an installed run: its own nbval runs the kernel
+    chosen = os.environ.get("COURSE_NOTEBOOKS", "installed").strip() or "installed"
+    if chosen not in MODES:
+        raise ValueError(f"COURSE_NOTEBOOKS={chosen!r}: use 'installed' (each notebook as a learner installs the "
+                         "course, network off; the default) or 'here' (this environment's editable install)")
+    return chosen
+
+
+def workers() -> int:
+    """Notebooks run at a time: ``COURSE_NOTEBOOK_WORKERS``, else one per core up to two (the unit tests share)."""
+    text = os.environ.get("COURSE_NOTEBOOK_WORKERS", "").strip()
+    if not text:
+        return max(1, min(2, os.cpu_count() or 1))
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"COURSE_NOTEBOOK_WORKERS={text!r}: give a whole number of notebooks to run at a time, "
+                         "at least 1")
+    return int(text)
+
+
+def budget_message(stem: str, result: dict) -> str | None:
+    """None when the notebook's smoke run kept to its budget, else what went over and where the time went."""
+    if stem not in BUDGETS:
+        return f"{stem} has no time budget: add it to BUDGETS in course_tools/notebook_runs.py"
+    seconds, reference = result.get("seconds"), result.get("reference_s")
+    if seconds is None or not reference:
+        return f"{stem}: the installed run reported no time ({result.get('error') or 'no result'})"
+    allowed = BUDGETS[stem] * reference
+    if seconds <= allowed:
+        return None
+    cells = sorted((result.get("cells") or {}).items(), key=lambda kv: -kv[1]["seconds"])[:5]
+    slowest = ", ".join(f"{name} {cell['seconds']:.1f} s" for name, cell in cells)
+    return (f"{stem} took {seconds:.0f} s in profile smoke: {seconds / reference:.0f} reference workloads of "
+            f"{reference:.2f} s, over its budget of {BUDGETS[stem]} ({allowed:.0f} s here). Slowest: {slowest}. "
+            "Shrink its smoke sizes, or raise its budget in course_tools/notebook_runs.py with the reason.")
+
+
+class NotebookRuns:
+    """The test run's installed notebook runs: started in the background, looked up (waiting) by path."""
+
+    def __init__(self, base: Path, workers: int, results_dir: Path | None = None):
+        self.base, self.workers, self.results_dir = Path(base), workers, results_dir
+        self._setup_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="notebook-setup")
+        self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="notebook")
+        self._setup = self._setup_pool.submit(self._prepare)
+        self._futures: dict[Path, concurrent.futures.Future] = {}
+        self._lock = threading.Lock()
+        self.snapshot = installed.repo_snapshot()
+        self.started = time.perf_counter()
+        self.finished: float | None = None
+
+    def _prepare(self):
+        for name in ("dist", "src", "deps", "runs"):
+            (self.base / name).mkdir(parents=True, exist_ok=True)
+        wheel = installed.build_wheel(self.base / "dist", self.base / "src")
+        return wheel, installed.dependency_folder(self.base / "deps"), installed.choose_isolation()
+
+    def setup(self):
+        """(wheel, dependency folder, isolation), waiting for them."""
+        return self._setup.result()
+
+    def start(self, notebooks) -> None:
+        """Queue the notebooks not queued yet, longest budget first so that the last to finish is a short one."""
+        with self._lock:
+            for path in sorted(map(Path, notebooks), key=lambda p: -BUDGETS.get(p.stem, 0)):
+                if path not in self._futures:
+                    self._futures[path] = self._pool.submit(self._run, path)
+
+    def _run(self, path: Path) -> dict:
+        try:
+            wheel, dependencies, isolation = self.setup()
+        except Exception as err:  # noqa: BLE001 - every notebook then reports why
+            return {"notebook": path.name, "passed": False, "cells": {}, "report": None, "runner_log": "",
+                    "error": f"could not prepare the installed runs: {err}"}
+        result = installed.run_one(path, self.base / "runs", wheel, dependencies, isolation)
+        # What the notebook recorded under its fresh HOME, where this test run keeps results (tests that compare
+        # notebooks read it there, as after a run in this environment).
+        recorded = Path(result["home"]) / "when-the-model-does-not-fit" / "results" / f"{path.stem}.json"
+        if self.results_dir is not None and recorded.is_file():
+            self.results_dir.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(recorded, self.results_dir / recorded.name)
+        with self._lock:
+            if all(f.done() for p, f in self._futures.items() if p != path):
+                self.finished = time.perf_counter()
+        return result
+
+    def result(self, notebook) -> dict:
+        path = Path(notebook)
+        self.start([path])
+        return self._futures[path].result()
+
+    def done(self) -> dict[Path, dict]:
+        """The runs that finished, by path."""
+        return {p: f.result() for p, f in self._futures.items() if f.done() and not f.cancelled()}
+
+    def repo_files_changed(self) -> list[str]:
+        return sorted(k for k, v in installed.repo_snapshot().items() if self.snapshot.get(k) != v)
+
+    def stop(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._setup_pool.shutdown(wait=False, cancel_futures=True)
+        installed.stop_all()
+
+
+_RUNS: NotebookRuns | None = None
+
+
+def runs(results_dir: Path | None = None, base: Path | None = None) -> NotebookRuns:
+    """This test run's notebook runs (created on first use, in ``base``: pytest's temporary folder for the run)."""
+    global _RUNS
+    if _RUNS is None:
+        base = base or Path(tempfile.mkdtemp(prefix="course-notebook-runs-"))
+        _RUNS = NotebookRuns(base, workers(), results_dir)
+    return _RUNS
+
+
+def active() -> NotebookRuns | None:
+    return _RUNS

@@ -1,0 +1,98 @@
+"""course_tools.notebook_runs and the nbval plugin's side of it: how notebooks run in a test run, their cells'
+outcomes reported from the installed run, the time budgets, and bad settings refused with a message."""
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from course_tools import installed, nbval_plugin, notebook_runs
+
+
+def test_notebooks_run_as_installed_unless_told_otherwise(monkeypatch):
+    monkeypatch.delenv("COURSE_INSTALLED_RUN", raising=False)
+    monkeypatch.delenv("COURSE_NOTEBOOKS", raising=False)
+    assert notebook_runs.mode() == "installed"
+    monkeypatch.setenv("COURSE_NOTEBOOKS", "here")
+    assert notebook_runs.mode() == "here"
+    monkeypatch.setenv("COURSE_NOTEBOOKS", "colab")
+    with pytest.raises(ValueError, match="COURSE_NOTEBOOKS='colab': use 'installed'"):
+        notebook_runs.mode()
+    monkeypatch.setenv("COURSE_INSTALLED_RUN", "1")  # inside an installed run, its own nbval runs the kernel
+    assert notebook_runs.mode() == "here"
+
+
+@pytest.mark.parametrize("value, expected", [("1", 1), ("3", 3), ("", None)])
+def test_workers(monkeypatch, value, expected):
+    monkeypatch.setenv("COURSE_NOTEBOOK_WORKERS", value)
+    assert notebook_runs.workers() == (expected or max(1, min(2, __import__("os").cpu_count() or 1)))
+
+
+@pytest.mark.parametrize("value", ["0", "two", "-1"])
+def test_bad_worker_count_says_what_to_give(monkeypatch, value):
+    monkeypatch.setenv("COURSE_NOTEBOOK_WORKERS", value)
+    with pytest.raises(ValueError, match="whole number of notebooks to run at a time"):
+        notebook_runs.workers()
+
+
+def test_the_budget_check_names_an_overrun_and_its_slowest_cells():
+    stem = next(iter(notebook_runs.BUDGETS))
+    cells = {"Cell 3": {"seconds": 40.0}, "Cell 7": {"seconds": 2.0}}
+    allowed = notebook_runs.BUDGETS[stem] * 2.0
+    assert notebook_runs.budget_message(stem, {"seconds": allowed - 1, "reference_s": 2.0, "cells": cells}) is None
+    message = notebook_runs.budget_message(stem, {"seconds": allowed + 1, "reference_s": 2.0, "cells": cells})
+    assert message and "over its budget" in message and message.index("Cell 3") < message.index("Cell 7"), message
+    assert "no time budget" in notebook_runs.budget_message("99_unknown", {"seconds": 1, "reference_s": 1})
+    assert "reported no time" in notebook_runs.budget_message(stem, {"error": "the kernel died"})
+
+
+def test_the_reference_workload_takes_a_measurable_time():
+    seconds = installed.reference_seconds()
+    assert 0.2 < seconds < 120, f"the reference workload took {seconds:.2f} s: a budget in its units means nothing"
+
+
+class FakeRuns:
+    def __init__(self, result):
+        self.seen, self._result = [], result
+
+    def result(self, path):
+        self.seen.append(Path(path))
+        return self._result
+
+
+def _item(tmp_path):
+    return SimpleNamespace(parent=SimpleNamespace(path=tmp_path / "03_x.ipynb"), user_properties=[])
+
+
+RUN = {"isolation": "unshare", "error": "Cell 1 failed", "runner_log": "log",
+       "cells": {"Cell 0": {"outcome": "passed", "text": "", "seconds": 1.0, "properties": [["k", 1]]},
+                 "Cell 1": {"outcome": "failed", "text": "AssertionError: the claim", "seconds": 1.0, "properties": []},
+                 "Cell 2": {"outcome": "skipped", "text": "no GPU", "seconds": 0.0, "properties": []}}}
+
+
+def test_a_cell_reports_its_outcome_in_the_installed_run(monkeypatch, tmp_path):
+    fake = FakeRuns(RUN)
+    monkeypatch.setattr(notebook_runs, "runs", lambda *a, **k: fake)
+    item = _item(tmp_path)
+    nbval_plugin._report_installed_outcome(item, "Cell 0")  # passes, with the run's properties
+    assert item.user_properties == [("k", 1)] and fake.seen == [tmp_path / "03_x.ipynb"]
+    with pytest.raises(nbval_plugin.InstalledRunFailure, match="AssertionError: the claim"):
+        nbval_plugin._report_installed_outcome(item, "Cell 1")
+    with pytest.raises(pytest.skip.Exception, match="no GPU"):
+        nbval_plugin._report_installed_outcome(item, "Cell 2")
+    with pytest.raises(nbval_plugin.InstalledRunFailure, match="did not reach Cell 9"):
+        nbval_plugin._report_installed_outcome(item, "Cell 9")
+
+
+def test_a_bad_notebook_mode_stops_pytest_with_the_message(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "test_x.py").write_text("def test_x():\n    pass\n")
+    env = dict(os.environ, COURSE_NOTEBOOKS="sometimes")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "course_tools.nbval_plugin", "-c", "/dev/null",
+                           str(tmp_path)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "COURSE_NOTEBOOKS='sometimes': use 'installed'" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
