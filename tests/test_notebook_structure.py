@@ -127,6 +127,14 @@ def test_solutions_are_hidden(path):
         assert meta.get("cellView") == "form" and source.startswith("#@title"), "hidden on Colab (a form cell)"
 
 
+def test_start_here_maps_every_notebook():
+    """00's map links every notebook of the course (a new one joins the map when it joins the course)."""
+    start = next(p for p in NOTEBOOKS if p.name.startswith("00_"))
+    text = "\n".join(source for kind, source, _ in _cells(start) if kind == "markdown")
+    missing = [p.name for p in NOTEBOOKS if f"]({p.name})" not in text]
+    assert not missing, f"00's map does not link {missing}"
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_checkers_are_proven_in_the_tests(path):
     """A notebook keeps the learner's check; the proof that it rejects wrong answers is test scaffolding, and runs
