@@ -62,6 +62,20 @@ for _ in range(150):
 """
 
 
+def warm_caches() -> dict:
+    """Caches that one test run warms for the next, shared by the notebooks and the unit tests: torch.compile's
+    kernels (06, 08 and the tests compile the same optimizer steps; a C++ compile takes seconds each) and
+    matplotlib's font list. They live in this environment (``.venv/course-test-cache``), beside what it installed;
+    a notebook's fresh HOME stays fresh otherwise."""
+    base = Path(sys.prefix) / "course-test-cache"
+    if not os.access(sys.prefix, os.W_OK):
+        base = Path(os.environ.get("TMPDIR", "/tmp")) / "course-test-cache"
+    folders = {"TORCHINDUCTOR_CACHE_DIR": base / "torchinductor", "MPLCONFIGDIR": base / "matplotlib"}
+    for folder in folders.values():
+        folder.mkdir(parents=True, exist_ok=True)
+    return {name: str(folder) for name, folder in folders.items()}
+
+
 def reference_seconds(python: str | Path = sys.executable) -> float:
     """Wall seconds of the reference workload in a new process (what a notebook's kernel start and cells look like)."""
     start = time.perf_counter()
@@ -340,7 +354,8 @@ def kernel_env(work: Path, python: Path, wheel: Path) -> dict:
             "COURSE_INSTALLED_REPORT": str(work / "report.json"),
             "PATH": f"{python.parent}:/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONNOUSERSITE": "1",
             "COURSE_PROFILE": "smoke", "COURSE_INSTALL_SPEC": str(wheel), "PIP_DISABLE_PIP_VERSION_CHECK": "1",
-            "COURSE_INSTALLED_RUN": "1", "MPLBACKEND": "Agg", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+            "COURSE_INSTALLED_RUN": "1", "MPLBACKEND": "Agg", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+            **warm_caches()}
 
 
 def run_one(source: Path, base: Path, wheel: Path, dependencies: Path, isolation: str) -> dict:

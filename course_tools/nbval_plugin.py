@@ -20,6 +20,11 @@ if not os.environ.get("COURSE_HOME") and not os.environ.get("COURSE_INSTALLED_RU
     import tempfile
 
     os.environ["COURSE_HOME"] = tempfile.mkdtemp(prefix="course-test-home-")
+if not os.environ.get("COURSE_INSTALLED_RUN"):  # caches one run warms for the next (course_tools.installed)
+    from course_tools.installed import warm_caches
+
+    for _name, _folder in warm_caches().items():
+        os.environ.setdefault(_name, _folder)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
