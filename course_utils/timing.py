@@ -2,6 +2,7 @@
 On a shared CPU timings wobble: time claims use generous bounds."""
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from typing import Callable, NamedTuple
@@ -47,16 +48,24 @@ OptimizerStep = NamedTuple("OptimizerStep", [("ns_per_param", float), ("first_st
 
 
 def cpu_optimizer_step(make_optimizer: Callable, n_params: int = 2**22, *, threads: int | None = None,
-                       repeats: int = 3, min_run_time: float = 0.2) -> OptimizerStep:
-    """Time one CPU optimizer step, the one way the course does: ``make_optimizer([param])`` on one fp32 parameter of
-    ``n_params`` values (a multiple of 256: 8-bit optimizers quantize whole blocks) with a gradient; a first step
-    creates the state; then the *best* of ``repeats`` medians (load on a shared machine only ever adds time)."""
+                       repeats: int = 3, min_run_time: float = 0.2, shape: tuple | None = None,
+                       dtype: torch.dtype = torch.float32) -> OptimizerStep:
+    """Time one CPU optimizer step, the one way the course does: ``make_optimizer([param])`` on one parameter of
+    ``n_params`` values (a multiple of 256: 8-bit optimizers quantize whole blocks; ``shape``: a matrix of as many, for
+    optimizers that factor or project matrices; ``dtype``: fp32, or bf16 for pure-bf16 training) with a gradient; a
+    first step creates the state; then the *best* of ``repeats`` medians (load on a shared machine only adds time)."""
     callable_arg(make_optimizer, "make_optimizer", "a function [param] -> optimizer")
     n = positive_int(n_params, "n_params", "e.g. 2**22")
     threads = torch.get_num_threads() if threads is None else positive_int(threads, "threads", "e.g. 1 or 2")
+    shape = (n,) if shape is None else tuple(shape)
+    if any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in shape) or math.prod(shape) != n:
+        raise ValueError(f"shape {shape} must be positive whole numbers whose product is n_params={n}, e.g. "
+                         f"(1024, {n // 1024}).")
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"dtype must be torch.float32, torch.bfloat16 or torch.float16, not {dtype!r}.")
     gen = torch.Generator().manual_seed(0)
-    param = torch.nn.Parameter(torch.randn(n, generator=gen) * 0.02)
-    param.grad = torch.randn(n, generator=gen) * 1e-3
+    param = torch.nn.Parameter((torch.randn(n, generator=gen) * 0.02).view(shape).to(dtype))
+    param.grad = (torch.randn(n, generator=gen) * 1e-3).view(shape).to(dtype)
     optimizer, start = make_optimizer([param]), time.perf_counter()
     optimizer.step()
     first = time.perf_counter() - start

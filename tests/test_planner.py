@@ -224,7 +224,7 @@ def test_cheapest_fit_returns_nothing_when_it_already_fits():
     (dict(micro_batch=4, accumulation=0), "accumulation must be positive"),
     (dict(micro_batch=4, precision="fp8"), "Unknown precision"),
     (dict(micro_batch=4, checkpointing="half"), "Unknown checkpointing"),
-    (dict(micro_batch=4, optimizer="lion"), "Unknown optimizer"),
+    (dict(micro_batch=4, optimizer="shampoo"), "Unknown optimizer"),
     (dict(micro_batch=4, stream_grads=True), "master_on_cpu=True"),
     (dict(micro_batch=4, device="tpu"), "Unknown device 'tpu'"),
     (dict(micro_batch=4, accumulation=4, fused_update=True), "set accumulation=1"),
@@ -375,3 +375,55 @@ def test_the_overhead_counts_cublas_workspaces_of_the_gpu_planned_for():
     assert planner.custom_gpu(6, compute_capability=(8, 6)).compute_capability == (8, 6)
     with pytest.raises((TypeError, ValueError)):
         planner.custom_gpu(6, compute_capability=(8,))
+
+
+# ---------------------------------------------------------------- notebook 10's optimizers as settings
+XL_PURE_BF16 = dict(micro_batch=4, size=1024, checkpointing="block", precision="bf16")
+
+
+def test_notebook_10s_optimizers_price_their_state_for_gpt2_xl():
+    n = planner.get_model("gpt2-xl").n_params
+    state = {o: planner.predict("gpt2-xl", optimizer=o, **XL_PURE_BF16).by_category["optimizer"]
+             for o in ("adam", *planner.BEYOND_ADAM)}
+    master = 4 * n  # pure bf16 weights step an fp32 master copy, except with stochastic rounding
+    assert state["adam"] == pytest.approx(master + 8 * n, rel=1e-3)
+    assert state["lion"] - master == state["adamw_bf16_sr"] == 4 * n  # m in fp32; m and v in bf16, no master
+    assert (state["adam_mini"] - master) / n == pytest.approx(4.0, abs=0.01)  # m + one v per row or tensor
+    assert (state["adafactor"] - master) / n < 0.01  # a row and a column mean per matrix
+    assert 2 < (state["galore"] - master) / n < 4 and 2 < (state["apollo"] - master) / n < (state["galore"] - master) / n
+    rec = planner.predict("gpt2-xl", optimizer="adamw_bf16_sr", **XL_PURE_BF16)
+    assert "pure bf16 weights, no master copy" in rec.settings.techniques()
+    assert "bf16 AdamW with stochastic rounding" in rec.settings.techniques()
+
+
+@pytest.mark.parametrize("knobs, match", [
+    (dict(optimizer="adamw_bf16_sr"), "precision='bf16'"),  # fp32 weights: nothing to round stochastically
+    (dict(optimizer="adamw_bf16_sr", precision="bf16", master_on_cpu=True), "no fp32 master"),
+    (dict(optimizer="galore", lora_rank=8), "full fine-tuning"),
+    (dict(optimizer="shampoo"), "adafactor"),  # the message lists notebook 10's optimizers too
+])
+def test_notebook_10s_optimizers_refuse_what_they_cannot_price(knobs, match):
+    with pytest.raises(ValueError, match=match):
+        planner.predict("gpt2", micro_batch=2, **knobs)
+    with pytest.raises(ValueError, match="transformers"):
+        planner.predict("small-cnn", micro_batch=2, optimizer="lion")
+
+
+def test_cheapest_fit_chooses_notebook_10s_optimizers_when_asked(tmp_path, monkeypatch):
+    monkeypatch.setenv("COURSE_RESULTS_DIR", str(tmp_path))
+    kw = dict(micro_batch=8, size=1024, host_gib=4)
+    usual = planner.cheapest_fit("gpt2-xl", "RTX 3060 (12 GB)", **kw)
+    wider = planner.cheapest_fit("gpt2-xl", "RTX 3060 (12 GB)", optimizers=("adam8bit", *planner.BEYOND_ADAM), **kw)
+    assert usual.plan.settings.optimizer in ("adam", "adam8bit")  # the default search is 02-09's
+    assert wider.plan.settings.optimizer in planner.BEYOND_ADAM and wider.plan.fits
+    assert wider.plan.step_seconds < usual.plan.step_seconds
+    assert "notebooks/10_beyond_adam.ipynb" in str(wider)
+    with pytest.raises(ValueError, match="optimizers must be a tuple"):
+        planner.cheapest_fit("gpt2-xl", "RTX 3060 (12 GB)", optimizers=("sophia",), **kw)
+    # the CPU step of notebook 10's optimizers: its reference, until notebook 10 records the learner's own
+    host = dict(XL_PURE_BF16, master_on_cpu=True, optimizer="lion")
+    assert planner.cpu_step_ns("lion")[0] == planner.CPU_STEP_REFERENCE["lion"]
+    results.record("cpu_lion_ns_per_param", 123.0, "ns", notebook="10_beyond_adam")
+    ns, source = planner.cpu_step_ns("lion")
+    assert ns == 123.0 and "measured on this machine by notebook 10_beyond_adam" in source
+    assert any("lion, 123.00 ns/parameter" in note for note in planner.predict("gpt2-xl", **host).notes)

@@ -64,3 +64,22 @@ def test_cpu_optimizer_step_measures_ns_per_param_state_and_threads():
         timing.cpu_optimizer_step(None)
     with pytest.raises(ValueError, match="n_params"):
         timing.cpu_optimizer_step(lambda ps: torch.optim.SGD(ps, lr=0.1), n_params=0)
+
+
+def test_cpu_optimizer_step_on_a_matrix_or_in_bf16():
+    import torch
+
+    seen = {}
+
+    def make(params):
+        seen["shape"], seen["dtype"] = tuple(params[0].shape), params[0].dtype
+        return torch.optim.Adafactor(params, lr=1e-2)
+    step = timing.cpu_optimizer_step(make, 64 * 32, shape=(64, 32), repeats=1, min_run_time=0.01)
+    assert seen["shape"] == (64, 32) and step.n_params == 2048
+    assert step.state_bytes_per_param == pytest.approx((64 + 32 + 1) * 4 / 2048)  # factored: a row and a column mean
+    timing.cpu_optimizer_step(make, 256, shape=(16, 16), dtype=torch.bfloat16, repeats=1, min_run_time=0.01)
+    assert seen == {"shape": (16, 16), "dtype": torch.bfloat16}
+    with pytest.raises(ValueError, match="product is n_params"):
+        timing.cpu_optimizer_step(make, 100, shape=(10, 11))
+    with pytest.raises(ValueError, match="dtype"):
+        timing.cpu_optimizer_step(make, 256, dtype=torch.int8)

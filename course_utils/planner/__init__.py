@@ -8,11 +8,11 @@ coefficients, :mod:`.model` holds the memory and time models, :mod:`.search` the
 00's tables, charts and interactive planner.
 """
 from .measure import gpt2_spec, small_cnn
-from .model import CATEGORIES, CPU_STEP_REFERENCE, cpu_step_ns, lora_params, make_settings, predict, step_seconds
+from .model import BEYOND_ADAM, CATEGORIES, CPU_STEP_REFERENCE, cpu_step_ns, lora_params, make_settings, predict, step_seconds
 from .search import cheapest_fit
 from .specs import custom_gpu, custom_model, get_gpu, get_model, gpu_presets, model_presets, presets
 from .widget import plan_frame, planner_widget, plot_plans
 
-__all__ = ["CATEGORIES", "CPU_STEP_REFERENCE", "cheapest_fit", "cpu_step_ns", "custom_gpu", "custom_model", "get_gpu",
+__all__ = ["BEYOND_ADAM", "CATEGORIES", "CPU_STEP_REFERENCE", "cheapest_fit", "cpu_step_ns", "custom_gpu", "custom_model", "get_gpu",
            "get_model", "gpt2_spec", "gpu_presets", "lora_params", "make_settings", "model_presets", "plan_frame",
            "planner_widget", "plot_plans", "predict", "presets", "small_cnn", "step_seconds"]

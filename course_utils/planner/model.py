@@ -39,7 +39,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields, replace
 
-from ..estimate import normalize_optimizer, optimizer_state_bytes
+from ..estimate import OPTIMIZERS, normalize_optimizer, optimizer_state_bytes
 from ..hardware import gpu_bytes_needed
 from ..memory import CATEGORIES as MEMORY_CATEGORIES
 from ..results import load_notebook
@@ -52,9 +52,13 @@ SMALL_BATCH_PENALTY = 0.10
 LOSS_CHUNKS = 8  # torchtune's default
 STREAMED_BLOCKS = 2
 LORA_WIDTHS_PER_BLOCK = 16  # r x (d + 3d) + r x 2d + r x 5d + r x 5d: GPT-2's c_attn, attn c_proj, c_fc, mlp c_proj
-# The CPU optimizer's step, ns per parameter, until notebook 08 records the learner's own (presets.json's cpu_step)
+# The CPU optimizer's step, ns per parameter, until notebook 08 (10 for its optimizers) records the learner's own
 CPU_STEP_REFERENCE = {name: d["reference_ns"] for name, d in presets()["cpu_step"].items()}
 CPU_STEP_NOTEBOOK = "08_current_toolbox"
+# notebook 10's optimizers, priced for a transformer's shapes (optimizer_state); the bf16 one keeps no fp32 master
+BEYOND_ADAM = {"adafactor": "Adafactor (factored second moment)", "lion": "Lion (one moment)",
+               "adam_mini": "Adam-mini (one v per block)", "galore": "GaLore (low-rank projection)",
+               "apollo": "APOLLO (random low-rank scaling)", "adamw_bf16_sr": "bf16 AdamW with stochastic rounding"}
 
 CATEGORIES = MEMORY_CATEGORIES + ("overhead",)  # what measure_memory reports, plus the card's overhead
 CHECKPOINTING = ("none", "block", "sqrt")
@@ -86,8 +90,10 @@ class Settings:
 
     @property
     def cpu_step_optimizer(self) -> str:
-        """The optimizer that steps on the CPU (``master_on_cpu``): bitsandbytes' for 8-bit Adam, else fused AdamW."""
-        return "bnb_adam8bit" if self.optimizer == "adam8bit" else "adamw_fused"
+        """The optimizer that steps on the CPU (``master_on_cpu``): bitsandbytes' for 8-bit Adam, notebook 10's own,
+        else fused AdamW."""
+        return "bnb_adam8bit" if self.optimizer == "adam8bit" else (
+            self.optimizer if self.optimizer in BEYOND_ADAM else "adamw_fused")
 
     def techniques(self, base: "Settings | None" = None) -> list[str]:
         """The course's techniques this setup uses (relative to ``base`` where given)."""
@@ -100,15 +106,17 @@ class Settings:
         if self.precision.endswith("_amp"):
             out.append(f"mixed precision ({self.precision.split('_')[0]} AMP)")
         elif self.precision in ("fp16", "bf16"):
-            kept = "frozen weights" if self.lora_rank else "weights + fp32 master weights"
+            kept = "frozen weights" if self.lora_rank else "weights + fp32 master weights" if \
+                self.optimizer != "adamw_bf16_sr" else "weights, no master copy"
             out.append(f"pure {self.precision} {kept}" + (" on CPU" if self.master_on_cpu else ""))
         elif self.master_on_cpu:
             out.append("optimizer on CPU")
-        flags = {"8-bit Adam": self.optimizer == "adam8bit", "stream gradients to CPU": self.stream_grads,
+        flags = {"8-bit Adam": self.optimizer == "adam8bit", BEYOND_ADAM.get(self.optimizer, ""): True,
+                 "stream gradients to CPU": self.stream_grads,
                  "stream weights from CPU": self.stream_weights, "chunked loss": self.chunked_loss,
                  "offload activations": self.offload_activations, "update fused into backward": self.fused_update,
                  f"LoRA adapters (rank {self.lora_rank})": self.lora_rank}
-        return out + [name for name, on in flags.items() if on]
+        return out + [name for name, on in flags.items() if on and name]
 
 
 def cpu_step_ns(cpu_optimizer: str) -> tuple[float, str]:
@@ -116,11 +124,43 @@ def cpu_step_ns(cpu_optimizer: str) -> tuple[float, str]:
     recorded it (results under the course home), else the reference figure."""
     if cpu_optimizer not in CPU_STEP_REFERENCE:
         raise ValueError(f"Unknown CPU optimizer {cpu_optimizer!r}; choose one of {list(CPU_STEP_REFERENCE)}.")
-    entry = load_notebook(CPU_STEP_NOTEBOOK).get(presets()["cpu_step"][cpu_optimizer]["recorded_as"]) or {}
+    preset = presets()["cpu_step"][cpu_optimizer]
+    notebook = preset.get("notebook", CPU_STEP_NOTEBOOK)
+    entry = load_notebook(notebook).get(preset["recorded_as"]) or {}
     value = entry.get("value")
     if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
-        return float(value), f"measured on this machine by notebook {CPU_STEP_NOTEBOOK} ({entry.get('profile')})"
+        return float(value), f"measured on this machine by notebook {notebook} ({entry.get('profile')})"
     return CPU_STEP_REFERENCE[cpu_optimizer], "reference: 2 cores of the course's CI machine"
+
+
+def optimizer_state(model: ModelSpec, optimizer: str) -> int:
+    """State bytes of notebook 10's optimizers for a transformer of width d (GPT-2's shapes: per block the matrices
+    d x 3d, d x d, d x 4d, 4d x d and 13 d vector values; the head: embedding rows of d values), as each library keeps
+    it: Adafactor a row and a column mean per matrix; Lion m; Adam-mini m and one v per row (embeddings, MLP), per
+    bias value or per other tensor; GaLore and APOLLO (rank d/4) m, v of the projected matrices and the projection
+    (GaLore's a view of the SVD's factor: d^2 values), AdamW elsewhere; bf16 AdamW + SR m, v in bf16."""
+    if model.unit != "token":
+        raise ValueError(f"optimizer={optimizer!r} is priced for transformers (GPT-2, BERT); {model.name} is not one: "
+                         "choose 'adam', 'adamw', 'adam8bit' or 'sgd'.")
+    d, n, nb = model.hidden_size, model.n_params, model.n_blocks
+    mats, vec, r, rows = ((d, 3 * d), (d, d), (d, 4 * d), (4 * d, d)), 13 * d, d // 4, model.head_params // d
+    per_block = {"adafactor": 4 * sum(a + b for a, b in mats) + 4 * vec + 48,
+                 "adam_mini": 4 * (12 * d * d + vec) + 4 * (9 * d + 5 * d + 4),
+                 "galore": sum(8 * r * max(m) + 4 * min(m) ** 2 for m in mats) + 8 * vec,
+                 "apollo": sum(4 * r * (2 * max(m) + min(m)) for m in mats) + 8 * vec}
+    head = {"adafactor": 4 * (rows + 4 * d), "adam_mini": 4 * (model.head_params + rows + 2),
+            "galore": 8 * model.head_params, "apollo": 8 * model.head_params}
+    if optimizer in per_block:
+        return nb * per_block[optimizer] + head[optimizer]
+    return 4 * n  # lion: m in fp32; adamw_bf16_sr: m and v in bf16
+
+
+def state_bytes(model: ModelSpec, optimizer: str, n: int, sizes=None) -> int:
+    """The optimizer's state for ``n`` trainable fp32 values: notebook 10's by the model's shapes, the others by
+    :func:`course_utils.estimate.optimizer_state_bytes`."""
+    if optimizer in BEYOND_ADAM:
+        return optimizer_state(model, optimizer)
+    return optimizer_state_bytes(n, optimizer, param_dtype="fp32", tensor_sizes=sizes)
 
 
 def lora_params(model: ModelSpec, rank: int) -> int:
@@ -214,6 +254,19 @@ def make_settings(model: ModelSpec, **knobs) -> Settings:
     if lora and not model.output_per_unit:  # of the presets, only GPT-2 returns logits
         raise ValueError(f"lora_rank prices adapters on GPT-2's c_attn, c_proj and c_fc; {model.name} is not a "
                          "GPT-2: use a GPT-2 preset (or gpt2_spec), or lora_rank=None.")
+    key = s.optimizer.lower().replace("-", "_") if isinstance(s.optimizer, str) else s.optimizer
+    if key in BEYOND_ADAM:
+        if lora:
+            raise ValueError(f"optimizer={key!r} is priced for full fine-tuning; with lora_rank use 'adamw'.")
+        optimizer_state(model, key)  # refuses a model that is not a transformer
+        if key == "adamw_bf16_sr" and (s.precision != "bf16" or s.master_on_cpu):
+            raise ValueError("optimizer='adamw_bf16_sr' trains pure bf16 weights with no fp32 master copy: set "
+                             "precision='bf16' and master_on_cpu=False.")
+    else:
+        try:
+            key = normalize_optimizer(s.optimizer)
+        except ValueError:
+            raise ValueError(f"Unknown optimizer {s.optimizer!r}; choose one of {OPTIMIZERS + tuple(BEYOND_ADAM)}.") from None
     if lora and s.master_on_cpu:
         raise ValueError("With LoRA only the small adapters train and their optimizer stays on the GPU: set "
                          "master_on_cpu=False (and stream_grads, stream_weights False), or lora_rank=None.")
@@ -224,7 +277,7 @@ def make_settings(model: ModelSpec, **knobs) -> Settings:
                          "device='cpu' (fused kernels are priced for CUDA).")
     return replace(s, micro_batch=micro_batch, size=size, accumulation=accumulation, attention=attention,
                    checkpointing=_choice(s.checkpointing, "checkpointing", CHECKPOINTING),
-                   precision=_choice(s.precision, "precision", PRECISIONS), optimizer=normalize_optimizer(s.optimizer),
+                   precision=_choice(s.precision, "precision", PRECISIONS), optimizer=key,
                    lora_rank=int(s.lora_rank) if lora else None)
 
 
@@ -298,8 +351,8 @@ def predict_settings(model: ModelSpec, gpu: GPUSpec, s: Settings) -> Plan:
         optimizer = 0
     else:  # the optimizer's state, kept for fp32 values (pure half trains an fp32 master copy), per tensor
         sizes = [adapter] * 8 * nb if lora else [model.largest_tensor] + [max(1, (n - model.largest_tensor) // nb)] * nb
-        optimizer = optimizer_state_bytes(n_train, s.optimizer, param_dtype="fp32", tensor_sizes=sizes)
-        optimizer += 4 * n if half and not lora else 0  # fp32 master weights on the GPU
+        optimizer = state_bytes(model, s.optimizer, n_train, sizes)
+        optimizer += 4 * n if half and not lora and s.optimizer != "adamw_bf16_sr" else 0  # fp32 master weights
     weight_copies = 2 * n if amp else 0  # autocast's fp16/bf16 copies of the weights (kept for backward)
 
     a = _activations(model, s)
@@ -363,7 +416,7 @@ def predict_settings(model: ModelSpec, gpu: GPUSpec, s: Settings) -> Plan:
     if s.master_on_cpu:
         ns, source = cpu_step_ns(s.cpu_step_optimizer)
         notes.append(f"CPU optimizer step: {s.cpu_step_optimizer}, {ns:.2f} ns/parameter ({source})")
-    host_state = 8 * n + optimizer_state_bytes(n, s.optimizer) if s.master_on_cpu else 0  # fp32 master + grads
+    host_state = 8 * n + state_bytes(model, s.optimizer, n) if s.master_on_cpu else 0  # fp32 master + grads
     host = int(host_state + n * w * s.stream_weights + a["saved"] * off)
     if host:  # not on the card, but the machine must have it
         notes.append(f"host RAM: {host / GIB:.1f} GiB (fp32 master weights, gradients and optimizer state on the CPU, "
@@ -398,8 +451,9 @@ def step_seconds(model: ModelSpec, gpu: GPUSpec, s: Settings) -> float:
         if s.lora_rank is not None:  # the weights and gradients, the state read and written
             n_lora = lora_params(model, s.lora_rank)
             touched = 8 * n_lora + 2 * optimizer_state_bytes(n_lora, s.optimizer)
-        else:
-            touched = n * (2 * w + (8 if w == 2 else 0)) + 2 * optimizer_state_bytes(n, s.optimizer)
+        else:  # the weights, gradients, an fp32 master in pure half (read and written), the state read and written
+            master = 8 if w == 2 and s.optimizer != "adamw_bf16_sr" else 0
+            touched = n * (2 * w + master) + 2 * state_bytes(model, s.optimizer, n)
         opt = touched / (gpu.mem_bandwidth_gbs * 1e9)
     # side-stream copies beside compute: only the part longer than compute shows
     copies = s.accumulation * (2 * _activations(model, s)["saved"] * s.offload_activations

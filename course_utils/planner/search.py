@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 
 from ..units import GIB
 from ..validation import positive_number
-from .model import CHECKPOINTING, Plan, Settings, make_settings, predict_settings
+from .model import BEYOND_ADAM, CHECKPOINTING, Plan, Settings, make_settings, predict_settings
 from .specs import GPUSpec, get_gpu, get_model, presets
 
 
@@ -39,15 +39,16 @@ class Recommendation:
         return "\n".join(lines)
 
 
-def candidate_settings(base: Settings, gpu: GPUSpec, model):
+def candidate_settings(base: Settings, gpu: GPUSpec, model, optimizers=("adam8bit",)):
     """Every combination the search tries from the user's ``base`` settings (for ``model``, a ModelSpec: the chunked
-    loss needs a vocabulary head)."""
+    loss needs a vocabulary head); ``optimizers``: those it may switch Adam to."""
     splits = [f for f in (1, 2, 4, 8, 16, 32, 64, 128) if f <= base.micro_batch and base.micro_batch % f == 0]
     precisions = [base.precision]
     for p in (("bf16_amp", "bf16") if gpu.bf16 else ("fp16_amp", "fp16")):
         if base.precision == "fp32" or (base.precision.endswith("_amp") and p in ("fp16", "bf16")):
             precisions.append(p)
-    optimizers = [base.optimizer] + (["adam8bit"] if base.optimizer in ("adam", "adamw") else [])
+    optimizers = [base.optimizer] + [o for o in optimizers if base.optimizer in ("adam", "adamw") and (
+        o not in BEYOND_ADAM or (model.unit == "token" and base.lora_rank is None))]
     ckpts = [base.checkpointing] if base.checkpointing != "none" else list(CHECKPOINTING)
     offloads = [(base.master_on_cpu, base.stream_grads)] + [
         o for o in ((True, False), (True, True)) if o != (base.master_on_cpu, base.stream_grads) and
@@ -57,29 +58,35 @@ def candidate_settings(base: Settings, gpu: GPUSpec, model):
             splits, precisions, optimizers, ckpts, offloads, {base.offload_activations, True}, chunked,
             {base.fused_update, True}, {base.stream_weights, True}):
         acc = base.accumulation * f
-        if (fu and (acc > 1 or m)) or (sw and not m):
+        if (fu and (acc > 1 or m)) or (sw and not m) or (o == "adamw_bf16_sr" and (p != "bf16" or m)):
             continue  # combinations make_settings refuses
         yield replace(base, micro_batch=base.micro_batch // f, accumulation=acc, precision=p, optimizer=o,
                       checkpointing=c, master_on_cpu=m, stream_grads=st, offload_activations=off, chunked_loss=ch,
                       fused_update=fu, stream_weights=sw)
 
 
-def cheapest_fit(model, gpu="RTX 3060 (12 GB)", *, host_gib=None, **settings) -> Recommendation:
+def cheapest_fit(model, gpu="RTX 3060 (12 GB)", *, host_gib=None, optimizers=("adam8bit",),
+                 **settings) -> Recommendation:
     """The set of the course's techniques that fits ``gpu`` at the lowest predicted step time (see the module
     docstring), keeping the effective batch (micro_batch x accumulation). ``settings``: the fields of
-    :class:`.model.Settings`; ``host_gib``: the host RAM a plan may use (its ``host_bytes``; default: no limit).
+    :class:`.model.Settings`; ``host_gib``: the host RAM a plan may use (its ``host_bytes``; default: no limit);
+    ``optimizers``: those Adam may be replaced by (default: 8-bit Adam; notebook 10's: ``tuple(BEYOND_ADAM)``).
     "Fits" means tensors + allocator reserve + CUDA context fit the card. Raises ValueError when nothing fits, saying
     what to change.
     """
     model = get_model(model)
     gpu = get_gpu(gpu)
     base = make_settings(model, **settings)
+    unknown = [o for o in optimizers if o not in ("adam8bit", *BEYOND_ADAM)] if isinstance(optimizers, (list, tuple)) \
+        else [optimizers]
+    if unknown:
+        raise ValueError(f"optimizers must be a tuple of {('adam8bit', *BEYOND_ADAM)}, not {unknown!r} in it.")
     host_limit = float("inf") if host_gib is None else GIB * positive_number(
         host_gib, "host_gib", "the machine's RAM in GiB, e.g. 32, or None for no limit")
     baseline = predict_settings(model, gpu, base)
     if baseline.fits:  # nothing to turn on; faster options are the learner's choice
         return Recommendation(plan=baseline, baseline=baseline, techniques=[], notebooks={}, slowdown=1.0)
-    plans = [predict_settings(model, gpu, s) for s in candidate_settings(base, gpu, model)]
+    plans = [predict_settings(model, gpu, s) for s in candidate_settings(base, gpu, model, optimizers)]
     fitting = [p for p in plans if p.fits and p.host_bytes <= host_limit]
     if not fitting:
         smallest = min(plans, key=lambda p: p.peak_bytes)
