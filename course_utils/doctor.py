@@ -338,6 +338,9 @@ class LiveBytes(_MultiStepMemTracker):
 
     def start(self) -> LiveBytes:  # a tracker that outlives a cell: no `with` block
         self.__enter__()
+        # no module tracking (only the totals are read): its gradient hooks tie a graph that no backward runs
+        # through (an evaluation without no_grad, an error mid-forward) into a cycle gc cannot collect
+        self._mod_tracker.__exit__()
         if self.budget:  # a hook of its own, after the tracker's: raising in those would run them twice
             self._hook = torch.nn.modules.module.register_module_forward_hook(lambda m, i, o: self._check(m))
         return self

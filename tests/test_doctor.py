@@ -159,3 +159,20 @@ def test_bad_input_says_what_to_change():
         cuda_summary(allocated=0, reserved=0, free=2, total=1, segments=[])
     with pytest.raises(ValueError, match="budget must be positive"):
         LiveBytes("cpu", budget=0)
+
+
+def test_a_graph_no_backward_runs_through_is_freed_with_its_loss():
+    """The tracker left running holds nothing itself: a forward through nested modules whose loss is dropped without
+    a backward (an evaluation without no_grad, an error mid-forward) gives back every byte once the loss goes."""
+    live = LiveBytes("cpu").start()
+    try:
+        net = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
+        params = live.bytes
+        loss = net(torch.randn(512, 64)).sum()
+        assert live.bytes > params + 4 * 512 * 64 * 4  # the activations the graph saved
+        del loss
+        gc.collect()
+        assert live.bytes == params
+        del net
+    finally:
+        live.stop()
