@@ -1,8 +1,8 @@
 """PyTorch's CUDA caching allocator, simulated in plain Python, and its out-of-memory message, read.
 
 A small model of ``c10/cuda/CUDACachingAllocator.cpp``: each rule names the constant or function of that file it
-copies. It replays an allocation trace (``timeline.Timeline.trace()``) and reports requested, allocated and
-reserved bytes over time, on any machine. Not modelled: streams and events, CUDA graph pools,
+copies. It replays an allocation trace (``Timeline.trace()``, or a snapshot's: ``snapshot_trace()``) and reports
+requested, allocated and reserved bytes over time, on any machine. Not modelled: streams and events, CUDA graph pools,
 ``roundup_power2_divisions``, ``garbage_collection_threshold``.
 """
 from __future__ import annotations
@@ -299,6 +299,52 @@ def replay(trace, **options):
             sim.free(key)
         rows.append((requested, sim.allocated, sim.reserved))
     return pd.DataFrame(rows, columns=["requested", "allocated", "reserved"]), sim
+
+
+def snapshot_trace(snapshot: dict, device: int = 0) -> list[tuple]:
+    """A memory snapshot's trace (a pickle of ``torch.cuda.memory._snapshot()``, or ``timeline.to_snapshot()``) as
+    :func:`replay`'s events. Each alloc gets its own key (addresses are reused). Blocks alive before the recording
+    began (freed with no alloc before, or allocated at the end with none) are allocated first, in address order,
+    under the keys ``("before", address)``."""
+    if not isinstance(snapshot, dict) or not {"segments", "device_traces"} <= set(snapshot):
+        raise ValueError("A snapshot is a dict with 'segments' and 'device_traces': pickle.load() the file that "
+                         "torch.cuda.memory._dump_snapshot() wrote, or pass timeline.to_snapshot().")
+    if not 0 <= device < len(snapshot["device_traces"]):
+        raise ValueError(f"device {device} has no trace; this snapshot has {len(snapshot['device_traces'])}.")
+    live, before, trace = {}, {}, []
+    for n, event in enumerate(snapshot["device_traces"][device]):
+        if event["action"] == "alloc":
+            live[event["addr"]] = n
+            trace.append(("alloc", n, event["size"]))
+        elif event["action"] == "free_completed":
+            if event["addr"] not in live:
+                before[event["addr"]] = event["size"]
+            trace.append(("free", live.pop(event["addr"], ("before", event["addr"])), 0))
+    for segment in snapshot["segments"]:
+        for b in segment["blocks"] if segment.get("device", device) == device else []:
+            if b["state"] == "active_allocated" and b["address"] not in live:
+                before[b["address"]] = b.get("requested_size") or b["size"]
+    return [("alloc", ("before", addr), size) for addr, size in sorted(before.items())] + trace
+
+
+def what_if(trace, *, capacity: int | None = None, batch_scale: float = 1.0, **options) -> dict:
+    """Replay ``trace`` under other settings: allocator ``options`` (``expandable_segments=True``, ``max_split_size``),
+    a card of ``capacity`` bytes, a micro-batch ``batch_scale`` times as large (it scales the tensors the trace both
+    allocates and frees, activations and temporaries; not those alive before it or still alive at its end). Returns
+    whether it fits, the peaks of allocated and reserved bytes, and the out-of-memory message if it does not."""
+    if isinstance(batch_scale, bool) or not isinstance(batch_scale, (int, float)) or not batch_scale > 0:
+        raise ValueError(f"batch_scale must be a positive number (0.5: half the micro-batch), not {batch_scale!r}.")
+    trace = list(trace)
+    freed = {key for action, key, _ in trace if action == "free"}
+    scaled = {key for action, key, _ in trace if action == "alloc" and key in freed
+              and not (isinstance(key, tuple) and key[:1] == ("before",))}
+    sim, oom = CachingAllocator(capacity=capacity, **options), None
+    try:
+        for action, key, nbytes in trace:
+            sim.malloc(round(nbytes * batch_scale) if key in scaled else int(nbytes), key) if action == "alloc" else sim.free(key)
+    except OutOfMemory as err:
+        oom = str(err)
+    return {"fits": oom is None, "peak_allocated": sim.peak_allocated, "peak_reserved": sim.peak_reserved, "oom": oom}
 
 
 def format_size(nbytes: int) -> str:

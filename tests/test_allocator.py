@@ -240,3 +240,105 @@ def test_on_cuda_a_real_out_of_memory_message_parses():
         torch.cuda.empty_cache()
     m = A.parse_oom(str(err.value))
     assert m.tried == 64 * MIB and m.allowed is not None and 0 < m.allocated <= m.reserved <= m.allowed
+
+
+# ---------------------------------------------------------------------------- replaying a memory snapshot
+def _event(action, addr, size):
+    return {"action": action, "addr": addr, "size": size, "stream": 0, "time_us": 0, "frames": []}
+
+
+def _hand_built_snapshot():
+    """In torch.cuda.memory._snapshot()'s format: a 100 KiB parameter allocated before the recording began (only in
+    the segments), a 200 KiB tensor from before that the trace frees, two 96 MiB activations that come and go, two
+    56 MiB tensors kept, then a 64 MiB one. Addresses are reused, as the real allocator reuses them."""
+    p, q, a, b, e = 0x1000, 0x1000 + 100 * KIB, 1 << 32, (1 << 32) + 96 * MIB, 1 << 40
+    trace = [_event("free_requested", q, 200 * KIB), _event("free_completed", q, 200 * KIB),
+             _event("segment_alloc", a, 96 * MIB), _event("alloc", a, 96 * MIB), _event("segment_alloc", b, 96 * MIB),
+             _event("alloc", b, 96 * MIB), _event("free_completed", a, 96 * MIB), _event("free_completed", b, 96 * MIB),
+             _event("alloc", a, 56 * MIB), _event("alloc", b, 56 * MIB), _event("alloc", e, 64 * MIB)]
+    block = lambda addr, size, state: {"address": addr, "size": size, "requested_size": size, "state": state}  # noqa: E731
+    segments = [{"device": 0, "address": p, "total_size": 2 * MIB, "segment_type": "small",
+                 "blocks": [block(p, 100 * KIB, "active_allocated"), block(q, 2 * MIB - 100 * KIB, "inactive")]}]
+    segments += [{"device": 0, "address": x, "total_size": 96 * MIB, "segment_type": "large",
+                  "blocks": [block(x, 56 * MIB, "active_allocated"), block(x + 56 * MIB, 40 * MIB, "inactive")]}
+                 for x in (a, b)]
+    segments += [{"device": 0, "address": e, "total_size": 64 * MIB, "segment_type": "large",
+                  "blocks": [block(e, 64 * MIB, "active_allocated")]}]
+    return {"segments": segments, "device_traces": [trace]}
+
+
+def test_a_snapshots_trace_starts_with_what_was_alive_before_it():
+    trace = A.snapshot_trace(_hand_built_snapshot())
+    assert trace[:2] == [("alloc", ("before", 0x1000), 100 * KIB), ("alloc", ("before", 0x1000 + 100 * KIB), 200 * KIB)]
+    assert [a for a, *_ in trace[2:]] == ["free", "alloc", "alloc", "free", "free", "alloc", "alloc", "alloc"]
+    keys = [k for a, k, _ in trace if a == "alloc"]
+    assert len(keys) == len(set(keys)) == 7  # a reused address gets a new key
+
+
+def test_the_hand_built_snapshot_replays_to_the_hand_computed_reserved_bytes():
+    trace = A.snapshot_trace(_hand_built_snapshot())
+    # Default. The two small tensors share one 2 MiB small segment. Each 96 MiB request gets its own 96 MiB segment
+    # (>= 10 MiB: rounded to 2 MiB); freed, both stay cached. Each 56 MiB tensor takes a cached 96 MiB block (best
+    # fit) and is split (40 MiB left, over 1 MiB); no 64 MiB request fits in 40 MiB: a new 64 MiB segment.
+    default = A.what_if(trace)
+    assert default["peak_reserved"] == 2 * MIB + 2 * 96 * MIB + 64 * MIB == 258 * MIB
+    # expandable_segments: the small pool maps one 2 MiB page; the large pool one segment of 20 MiB pages. The first
+    # 96 MiB maps ceil(96/20) = 5 pages (100 MiB); the second uses the 4 MiB left and maps ceil(92/20) = 5 more
+    # (200 MiB). Freed, they merge into one 200 MiB free block, which holds 56 + 56 + 64 = 176 MiB: nothing new.
+    expandable = A.what_if(trace, expandable_segments=True)
+    assert expandable["peak_reserved"] == 2 * MIB + 200 * MIB == 202 * MIB
+    assert default["peak_allocated"] == expandable["peak_allocated"] == 100 * KIB + 2 * 96 * MIB  # blocks, not pages
+    # On a 240 MiB card: the default allocator cannot release a segment (each holds a live block) and runs out
+    card = A.what_if(trace, capacity=240 * MIB)
+    assert not card["fits"] and A.parse_oom(card["oom"]).tried == 64 * MIB
+    assert A.what_if(trace, capacity=240 * MIB, expandable_segments=True)["fits"]
+
+
+def test_a_smaller_batch_scales_only_what_the_trace_allocates_and_frees():
+    trace = [("alloc", ("before", 1), 30 * MIB), ("alloc", "act", 40 * MIB), ("alloc", "grad", 30 * MIB),
+             ("free", "act", 0)]
+    full, half = A.what_if(trace), A.what_if(trace, batch_scale=0.5)
+    assert (full["peak_allocated"], half["peak_allocated"]) == (100 * MIB, 80 * MIB)
+    with pytest.raises(ValueError, match="positive number"):
+        A.what_if(trace, batch_scale=0)
+    with pytest.raises(ValueError, match="'segments' and 'device_traces'"):
+        A.snapshot_trace({"segments": []})
+
+
+def test_a_snapshot_the_course_writes_replays_as_its_timeline():
+    from course_utils import timeline
+
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256))
+    opt = torch.optim.Adam(model.parameters())
+    x = torch.randn(512, 256)
+
+    def step():
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    tl = timeline.record_timeline(step, model=model, optimizer=opt)
+    for options in ({}, {"expandable_segments": True}):
+        snapshot = timeline.to_snapshot(tl, **options)
+        _, sim = A.replay(tl.trace(), **options)
+        replayed = A.what_if(A.snapshot_trace(snapshot), **options)
+        assert (replayed["peak_reserved"], replayed["peak_allocated"]) == (sim.peak_reserved, sim.peak_allocated)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_cuda_a_real_snapshot_replays_to_its_reserved_peak():
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    torch.cuda.memory._record_memory_history(max_entries=100_000)
+    try:
+        keep = [torch.empty(n, dtype=torch.uint8, device="cuda") for n in (100 * KIB, 96 * MIB, 96 * MIB)]
+        del keep[1:]
+        keep += [torch.empty(n, dtype=torch.uint8, device="cuda") for n in (56 * MIB, 56 * MIB, 64 * MIB)]
+        snapshot = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    replayed = A.what_if(A.snapshot_trace(snapshot, torch.cuda.current_device()), **A.options_from_env())
+    assert replayed["peak_reserved"] == pytest.approx(torch.cuda.max_memory_reserved(), rel=0.05)
+    del keep
