@@ -419,7 +419,8 @@ def step_peak(build, fake, **settings):
     with models.fake_mode() if fake else contextlib.nullcontext():
         step, model, optimizer = build(Host(fake), **settings)
         step()
-        model = nn.ModuleDict(dict(model=model, held=held_by(optimizer)))
+        held = held_by(optimizer)
+        model = nn.ModuleDict(dict(model=model, held=held)) if list(held.buffers()) else model
         return memory.measure_memory(step, model=model, optimizer=optimizer).peak_bytes
 
 
