@@ -40,9 +40,18 @@ def _profile_is_full() -> bool:
 
 def _patch_nbval() -> None:
     try:
+        from nbval.kernel import RunningKernel
         from nbval.plugin import IPyNbCell, IPyNbFile
     except ImportError:  # nbval missing: the unit tests still run
         return
+    if not getattr(RunningKernel, "_course_history", False):
+        # nbval runs each cell with store_history=False; Jupyter stores it. With history, a test run's kernel is
+        # the learner's: execution counts from 1, Out[n] and _n kept, and %reset -f out frees them (01c's lesson).
+        def execute_cell_input(self, cell_input, allow_stdin=None):
+            return self.kc.execute(cell_input, store_history=True, allow_stdin=allow_stdin, stop_on_error=False)
+
+        RunningKernel.execute_cell_input = execute_cell_input
+        RunningKernel._course_history = True
     if not getattr(IPyNbFile, "_course_patched", False):
         original_init = IPyNbFile.__init__
 

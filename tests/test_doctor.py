@@ -176,3 +176,35 @@ def test_a_graph_no_backward_runs_through_is_freed_with_its_loss():
         del net
     finally:
         live.stop()
+
+
+def _notebook_cell_defs(*names):
+    """The functions (and constants) of notebook 01c's cells that define ``names``: only defs and assignments run."""
+    import ast
+    import json
+    from pathlib import Path
+
+    from course_utils.doctor import DoctorRow
+
+    cells = json.loads((Path(__file__).resolve().parent.parent / "notebooks" / "01c_memory_doctor.ipynb").read_text())["cells"]
+    namespace = {"DoctorReport": DoctorReport, "DoctorRow": DoctorRow, "MIB": 1 << 20, "claim": lambda *a, **k: None}
+    for name in names:
+        source = next("".join(c["source"]) for c in cells if f"def {name}(" in "".join(c["source"]))
+        body = [n for n in ast.parse(source).body if isinstance(n, (ast.FunctionDef, ast.Assign))]
+        exec(compile(ast.Module(body, []), name, "exec"), namespace)
+    return namespace
+
+
+def test_notebooks_free_first_checker_accepts_its_solution_and_rejects_mistakes():
+    from course_utils.checks import checker_rejects
+
+    ns = _notebook_cell_defs("check_free_first", "solution_free_first")
+    check = ns["check_free_first"]
+    assert check(ns["solution_free_first"])
+    assert checker_rejects(
+        check,
+        lambda rep: max((r for r in rep.rows if r.fix), key=lambda r: r.frees_bytes).fix,  # frees the model too
+        lambda rep: next((r.fix for r in sorted(rep.rows, key=lambda r: -r.bytes)  # the largest group, not
+                          if r.fix and r.kind not in ("parameter", "optimizer state")), None),  # what its line frees
+        lambda rep: rep.rows[0].fix,  # the report's first row, even with no line
+    )
