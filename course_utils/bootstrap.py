@@ -12,7 +12,9 @@ from . import hardware
 COURSE_PACKAGES = {"timm": "timm>=1.0", "bitsandbytes": "bitsandbytes>=0.50", "transformers": "transformers>=4.46",
                    "seaborn": "seaborn>=0.13", "tqdm": "tqdm>=4.66", "ipywidgets": "ipywidgets>=7.7",
                    "mlxtend": "mlxtend>=0.23", "sklearn": "scikit-learn>=1.3", "psutil": "psutil>=5.9",
-                   "torchao": "torchao>=0.18", "peft": "peft>=0.21", "accelerate": "accelerate>=1.0"}
+                   "torchao": "torchao>=0.18", "peft": "peft>=0.21", "accelerate": "accelerate>=1.0",
+                   "lion_pytorch": "lion-pytorch>=0.2.5,<0.3", "adam_mini": "adam-mini>=1.1.1,<1.2",
+                   "galore_torch": "galore-torch>=1.0,<1.1", "apollo_torch": "apollo-torch>=1.0.3,<1.1"}
 NEVER_INSTALL = {"torch", "torchvision", "torchaudio"}
 
 

@@ -2,12 +2,8 @@
 and what was measured, when a measurement stops supporting it), predictions and exercise checkers."""
 from __future__ import annotations
 
-import contextlib
-import io
 import operator
 from typing import Any, Callable
-
-from .validation import callable_arg
 
 _OPS: dict[str, tuple[Callable[[Any, Any], bool], str]] = {
     "<=": (operator.le, "at most"), "<": (operator.lt, "below"), ">=": (operator.ge, "at least"),
@@ -114,12 +110,3 @@ def prediction_count(*, made: bool = False) -> int:
     """How many distinct predictions this kernel asked for (compared with a measurement); ``made=True``: how many
     of them the learner actually typed."""
     return sum(typed or not made for typed in _predictions.values())
-
-
-def checker_rejects(checker: Callable[..., bool], *wrong_answers) -> bool:
-    """True when ``checker`` returns False for every one of ``wrong_answers`` (plausible mistakes)."""
-    callable_arg(checker, "checker", "the exercise's check function")
-    if not wrong_answers:
-        raise ValueError("Pass at least one wrong answer the checker must reject.")
-    with contextlib.redirect_stdout(io.StringIO()):  # its "✗ ..." verdicts are not for the learner
-        return not any([bool(checker(wrong)) for wrong in wrong_answers])

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from course_utils import allocator as A
-from course_utils.checks import checker_rejects
 from course_utils.units import GIB, KIB, MIB
+from notebook_lessons import checker_rejects
 
 NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "01b_reading_gpu_memory.ipynb"
 
