@@ -22,7 +22,7 @@ from torch import nn
 from . import paths
 from .hardware import gpu_bytes_needed
 from .precision import recommend_precision
-from .validation import byte_counts, callable_arg, positive_int, positive_number
+from .validation import callable_arg, positive_int, positive_number
 
 CORPUS_FILE = "course_corpus.txt"  # in course_utils/data_files/, made by scripts/build_corpus.py
 VARIANTS = ("recipe", "streamed")
@@ -233,12 +233,6 @@ def pcie_bytes_per_step(n_params: int, *, variant: str = "recipe", accum_steps: 
     copies = 1 if variant == "recipe" else positive_int(accum_steps, "accum_steps")
     to_host, to_device = copies * n * positive_int(grad_bytes, "grad_bytes"), n * 2
     return {"to_host": to_host, "to_device": to_device, "total": to_host + to_device}
-
-
-def transfer_seconds(n_bytes: int, gb_per_s: float) -> float:
-    """Seconds to move ``n_bytes`` at ``gb_per_s`` (1e9 bytes per second)."""
-    byte_counts(n_bytes=n_bytes)
-    return n_bytes / (positive_number(gb_per_s, "gb_per_s") * 1e9)
 
 
 # ---- checkpoints that survive a disconnect ---------------------------------------------------

@@ -27,6 +27,26 @@ PCIE_GB_PER_S = {"PCIe 3.0 x16": 15.75, "PCIe 4.0 x16": 31.5, "PCIe 5.0 x16": 63
 PCIE_EFFICIENCY = 0.8
 
 
+def pcie_seconds(n_bytes: int, link: str = "PCIe 3.0 x16", *, gb_per_s: float | None = None) -> float:
+    """Seconds to copy ``n_bytes`` one way between host and GPU: at ``gb_per_s`` (a measured rate, 1e9 bytes/s), else
+    at PCIE_EFFICIENCY of ``link``'s rate in PCIE_GB_PER_S. The course's one formula for a copy's time."""
+    byte_counts(n_bytes=n_bytes)
+    if gb_per_s is None:
+        if link not in PCIE_GB_PER_S:
+            raise ValueError(f"Unknown PCIe link {link!r}; choose one of {list(PCIE_GB_PER_S)}.")
+        gb_per_s = PCIE_GB_PER_S[link] * PCIE_EFFICIENCY
+    return n_bytes / (positive_number(gb_per_s, "gb_per_s", "a copy rate in GB/s, e.g. 12.6") * 1e9)
+
+
+def pcie_table(n_bytes: int):
+    """The course's table of PCIe generations (a pandas DataFrame, one row per link): the bus's rate, what pinned
+    copies reach, and :func:`pcie_seconds` for ``n_bytes``."""
+    import pandas as pd
+
+    return pd.DataFrame({link: {"bus GB/s": gbs, "pinned copies GB/s": gbs * PCIE_EFFICIENCY,
+                                "seconds": pcie_seconds(n_bytes, link)} for link, gbs in PCIE_GB_PER_S.items()}).T
+
+
 def gpu_bytes_needed(tensor_peak_bytes: int, compute_capability: tuple[int, int] | None = None) -> int:
     """Bytes a card must have for a step whose tensors peak at ``tensor_peak_bytes``: tensors + the allocator's reserve
     + cublas_workspace_bytes(compute_capability) + the CUDA context. Every "fits in N GiB" compares it with the card."""

@@ -10,7 +10,6 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import json
-import math
 import random
 import sys
 import time
@@ -639,7 +638,6 @@ def test_pcie_arithmetic():
     stream = capstone.pcie_bytes_per_step(n, variant="streamed", accum_steps=16)
     assert rec["total"] == 4 * n
     assert stream["to_host"] == 16 * 2 * n and stream["to_device"] == 2 * n
-    assert math.isclose(capstone.transfer_seconds(16 * 10**9, 16.0), 1.0)
 
 
 def test_bad_inputs_say_what_to_change():

@@ -192,3 +192,24 @@ def test_colab_detection(monkeypatch):
 def test_report_names_the_memory():
     gib = float(hardware.hardware_report().split("memory ")[1].split(" GiB")[0])
     assert gib > 1
+
+
+def test_pcie_seconds_is_the_one_copy_time():
+    """One formula: a link's rate times the pinned-copy efficiency, or a measured rate; the table is the same call."""
+    link_rate = hardware.PCIE_GB_PER_S["PCIe 4.0 x16"] * hardware.PCIE_EFFICIENCY
+    assert hardware.pcie_seconds(10**9, "PCIe 4.0 x16") == pytest.approx(1 / link_rate)
+    assert hardware.pcie_seconds(16 * 10**9, gb_per_s=16.0) == pytest.approx(1.0)
+    assert hardware.pcie_seconds(0) == 0.0
+    table = hardware.pcie_table(4 * 10**9)
+    assert list(table.index) == list(hardware.PCIE_GB_PER_S)
+    assert table.loc["PCIe 3.0 x16", "seconds"] == hardware.pcie_seconds(4 * 10**9, "PCIe 3.0 x16")
+    assert table["seconds"].is_monotonic_decreasing  # each generation doubles the rate
+
+
+def test_pcie_seconds_says_what_to_change():
+    with pytest.raises(ValueError, match="PCIe 3.0 x16"):
+        hardware.pcie_seconds(10**9, "PCIe 9.0 x1")
+    with pytest.raises(ValueError, match="GB/s"):
+        hardware.pcie_seconds(10**9, gb_per_s=0)
+    with pytest.raises((ValueError, TypeError)):
+        hardware.pcie_seconds(-1)

@@ -29,3 +29,16 @@ def test_00_and_06_show_the_same_recipe_peak():
     fake_06 = recorded("06_capstone_gpt2_xl", "gpt2_xl_predicted_gpu_peak_gib")
     assert planner_00 == pytest.approx(planner_06, rel=1e-6), "00 and 06 must make the same planner call"
     assert abs(planner_06 - fake_06) <= 0.05 * fake_06, (planner_06, fake_06)
+
+
+def test_06_and_07_price_the_recipes_pcie_traffic_alike():
+    """06 (the capstone's PCIe table) and 07 (ZeRO-Offload's price) show the recipe's PCIe seconds per optimizer step
+    of GPT-2-XL on PCIe 3.0 x16: the same bytes (capstone.pcie_bytes_per_step) through the same formula
+    (hardware.pcie_seconds), so the same number."""
+    from course_utils import capstone, hardware, models
+
+    seconds_06 = recorded("06_capstone_gpt2_xl", "recipe_pcie_seconds_per_step_gpt2xl_pcie3")
+    seconds_07 = recorded("07_beyond_one_gpu", "offload_pcie_seconds_per_step_gpt2xl_pcie3")
+    expected = hardware.pcie_seconds(capstone.pcie_bytes_per_step(models.GPT2_XL_PARAMS)["total"], "PCIe 3.0 x16")
+    assert seconds_06 == pytest.approx(seconds_07, rel=1e-9), "06 and 07 must price PCIe with the same call"
+    assert seconds_07 == pytest.approx(expected, rel=1e-9)
