@@ -52,8 +52,8 @@ def test_first_code_cell_is_the_bootstrap(path):
     assert match, f"{path.name}: the first code cell must be the standard bootstrap cell"
     assert match["url"] == URL
     assert match["name"] == path.stem, "course_utils.setup() must name the notebook after its file"
-    assert "torch" not in match["packages"].replace("torchvision", "").replace("torchao", ""), \
-        "the bootstrap never installs torch"
+    asked = set(re.findall(r"[\"'](\w+)[\"']", match["packages"]))
+    assert not asked & {"torch", "torchvision", "torchaudio"}, "the bootstrap never installs torch"
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
@@ -191,3 +191,49 @@ def test_at_least_two_titled_figures(path):
     drawn = [source for kind, source, _ in _cells(path)
              if kind == "code" and FIGURE_CALL.search(source) and "title" in source]
     assert len(drawn) >= 2, f"{path.name}: {len(drawn)} cell(s) draw a titled figure; results people compare are plotted"
+
+
+# ---------------------------------------------------------------------------- one explanation per idea, one number
+SECTION_LINK = re.compile(r"\]\((?:\.\./)?(?:notebooks/)?(?P<nb>\d\d\w*\.ipynb)#(?P<anchor>[\w-]+)\)")
+ANCHOR = re.compile(r'<a id="([\w-]+)"></a>')
+# each idea explained once, where it is first needed; later notebooks and the glossary link to it
+HOMES = {"16-bytes-per-parameter": "01_memory_accounting", "fake-tensors": "01_memory_accounting",
+         "attention-kernels": "01_memory_accounting", "four-numbers": "01b_reading_gpu_memory",
+         "pcie": "06_capstone_gpt2_xl", "cuda-streams": "09_smaller_than_the_model"}
+
+
+def _anchors(path):
+    return set(ANCHOR.findall("\n".join(source for kind, source, _ in _cells(path) if kind == "markdown")))
+
+
+def test_every_section_link_reaches_its_anchor():
+    """A link `NN_topic.ipynb#name` (notebooks, glossary) lands on an `<a id="name"></a>` in that notebook."""
+    anchors = {path.name: _anchors(path) for path in NOTEBOOKS}
+    texts = {path.name: "\n".join(s for kind, s, _ in _cells(path) if kind == "markdown") for path in NOTEBOOKS}
+    texts["GLOSSARY.md"] = (ROOT / "GLOSSARY.md").read_text(encoding="utf-8")
+    broken = [f"{where}: {m['nb']}#{m['anchor']}" for where, text in texts.items() for m in SECTION_LINK.finditer(text)
+              if m["anchor"] not in anchors.get(m["nb"], set())]
+    assert not broken, f"links to sections that do not exist (add <a id=...></a> there or fix the link): {broken}"
+
+
+def test_each_idea_has_one_home_that_the_glossary_and_later_notebooks_link():
+    glossary = (ROOT / "GLOSSARY.md").read_text(encoding="utf-8")
+    links = {(m["nb"], m["anchor"]) for path in NOTEBOOKS for kind, s, _ in _cells(path) if kind == "markdown"
+             for m in SECTION_LINK.finditer(s)}
+    for anchor, home in HOMES.items():
+        holders = [path.stem for path in NOTEBOOKS if anchor in _anchors(path)]
+        assert holders == [home], f"'{anchor}' is explained in {holders}; it lives in {home} only"
+        assert f"{home}.ipynb#{anchor})" in glossary, f"GLOSSARY.md must point to {home}.ipynb#{anchor}"
+        assert (f"{home}.ipynb", anchor) in links, f"no notebook links back to {home}.ipynb#{anchor}"
+
+
+PCIE_COPIES = re.compile(r"PCIE_GB_PER_S|PCIE_EFFICIENCY|\.pcie_gbs\b|\b(?:15\.75|31\.5|63\.0)\b|transfer_seconds")
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_pcie_is_priced_by_one_function(path):
+    """Copy times come from hardware.pcie_seconds / pcie_table (or a measured rate through it), never from the
+    table's constants or a notebook's own formula, so two notebooks cannot show two numbers for one quantity."""
+    code = [(i, line) for i, (kind, source, _) in enumerate(_cells(path)) if kind == "code"
+            for line in source.splitlines() if PCIE_COPIES.search(line)]
+    assert not code, f"{path.name}: price PCIe with hardware.pcie_seconds / hardware.pcie_table, not {code}"
