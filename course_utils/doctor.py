@@ -27,7 +27,7 @@ _INFRA = ("IPython", "ipykernel", "traitlets", "zmq", "tornado", "asyncio", "jup
 _IPYTHON_NAMES = {"In", "Out", "_", "__", "___", "_ih", "_oh", "_dh", "exit", "quit", "get_ipython"}
 _TRACEBACK_FIX = "sys.last_type = sys.last_value = sys.last_traceback = None" + (
     "; sys.last_exc = None" if sys.version_info >= (3, 12) else "")
-_CYCLE_LIMIT = 200  # objects in a suspected reference cycle before the doctor gives up calling it one
+_CYCLE_LIMIT, _CYCLE_LEVELS = 5000, 40  # how far the referrers of unreached tensors are searched
 
 
 @dataclass
@@ -170,23 +170,43 @@ class _Walk:
         push(fn for fn, _ in getattr(node, "next_functions", ()) if fn is not None)
 
 
-def _is_cycle(members: dict, module_dicts: set[int], skip: set[int]) -> bool:
-    """True when ``members`` (id -> object, the one reference the caller keeps) grow, by their referrers, into a
-    group that nothing outside refers to: a reference cycle that only the garbage collector frees."""
-    todo = list(members.values())
-    while todo:
-        obj = todo.pop()
-        for ref in gc.get_referrers(obj):
-            if ref is members or ref is todo or id(ref) in skip or id(ref) in members or isinstance(ref, types.FrameType):
+def _split_cycles(tensors: list, stop: set[int], skip: set[int]) -> tuple[list, list]:
+    """Among ``tensors`` (no root reaches them): (the objects only reference cycles keep, which gc.collect() frees;
+    the tensors something else keeps). Their referrers are searched for all of them at once, one heap scan a level
+    (a search per tensor scanned the heap per tensor: minutes in a large kernel); a member that something outside
+    the group refers to (a module's names, a type, an object no Python referrer shows) is reachable, and so is what
+    it refers to; the rest is what the garbage collector would free."""
+    members, reachable, args = {id(t): t for t in tensors}, set(), tuple(tensors)
+    for _ in range(_CYCLE_LEVELS):
+        if not args or len(members) > len(tensors) + _CYCLE_LIMIT:
+            break
+        refs = gc.get_referrers(*args)  # no list of the search's own refers to them here: it would join the group
+        found = []
+        for ref in refs:
+            if (ref is members or ref is args or ref is tensors or id(ref) in skip or id(ref) in members
+                    or isinstance(ref, types.FrameType)
+                    or (type(ref) is tuple and len(ref) == len(args) and all(a is b for a, b in zip(ref, args)))):
                 continue
-            if id(ref) in module_dicts or isinstance(ref, (type, types.ModuleType)) or len(members) > _CYCLE_LIMIT:
-                return False
+            if id(ref) in stop or isinstance(ref, (type, types.ModuleType)):
+                reachable.update(id(c) for c in gc.get_referents(ref) if id(c) in members)
+                continue
             members[id(ref)] = ref
-            todo.append(ref)
-        obj = ref = None
+            found.append(ref)
+        args, refs, ref, found = tuple(found), None, None, None
+    reachable.update(map(id, args))  # the search stopped there: count them as kept from outside
+    args = None
     inside = Counter(id(r) for m in members.values() for r in gc.get_referents(m))
-    # sys.getrefcount: the argument, the members dict and the loop's name hold each object three times
-    return all(sys.getrefcount(m) - 3 == inside[id(m)] for m in members.values())
+    listed = set(map(id, tensors))
+    # sys.getrefcount: its argument, the members dict and the loop's name hold each object, the list the tensors
+    reachable.update(id(m) for m in members.values() if sys.getrefcount(m) - 3 - (id(m) in listed) > inside[id(m)])
+    todo = [members[i] for i in reachable if i in members]
+    while todo:
+        for child in gc.get_referents(todo.pop()):
+            if id(child) in members and id(child) not in reachable:
+                reachable.add(id(child))
+                todo.append(child)
+    cycle = [m for i, m in members.items() if i not in reachable]
+    return cycle, [t for t in tensors if id(t) in reachable]
 
 
 def _shell():
@@ -251,31 +271,27 @@ def doctor(namespace: dict | None = None, device=None, *, counters=None) -> Doct
 
     # tensors no root reaches: a reference cycle, or held by something the doctor does not walk into
     module_dicts = {id(m.__dict__) for m in list(sys.modules.values()) if hasattr(m, "__dict__")}
-    gc_objects = gc.get_objects()
-    loose = {id(t): t for t in gc_objects if issubclass(type(t), torch.Tensor)}
-    del gc_objects
-    for tid in list(loose):
-        if tid not in loose:
-            continue
-        t = loose.pop(tid)
+    unreached = []
+    for t in gc.get_objects():
+        if issubclass(type(t), torch.Tensor):
+            walk = _Walk(device, skip)
+            walk.tensor(t, "tensor", False)
+            if not all(sid in storages for sid in walk.found):
+                unreached.append(t)
+    t = None
+    cycle, elsewhere = _split_cycles(unreached, module_dicts | skip, skip | {id(unreached)})
+    unreached.clear()
+    labels[("cycle",)] = "a reference cycle (unreachable, not yet collected)"
+    labels[("elsewhere",)] = "something the doctor does not look into"
+    fixes[("cycle",)], fixes[("elsewhere",)] = ("gc.collect()",) * 2, ("", "")
+    for key, found in ((("cycle",), cycle), (("elsewhere",), elsewhere)):
         walk = _Walk(device, skip)
-        walk.tensor(t, "tensor", False)
-        if all(sid in storages for sid in walk.found):
-            continue
-        members = {id(t): t}
-        del t
-        cycle = _is_cycle(members, module_dicts | skip, {id(loose)})
-        key = ("cycle",) if cycle else ("elsewhere",)
-        labels[key] = "a reference cycle (unreachable, not yet collected)" if cycle else "something the doctor does not look into"
-        fixes[key] = ("gc.collect()",) * 2 if cycle else ("", "")
-        for m in list(members.values()) if cycle else [members[next(iter(members))]]:
+        for m in found:
             walk.run(m)
-            loose.pop(id(m), None)
-        del members
         for sid, (nbytes, kinds, direct) in walk.found.items():
             if sid not in storages:
                 storages[sid] = [nbytes, kinds, {(key, direct)}]
-    loose.clear()
+    cycle = elsewhere = found = m = None
 
     groups = defaultdict(lambda: [0, 0, Counter()])
     for nbytes, kinds, holders in storages.values():
