@@ -65,11 +65,13 @@ for _ in range(150):
 def warm_caches() -> dict:
     """Caches that one test run warms for the next, shared by the notebooks and the unit tests: torch.compile's
     kernels (06, 08 and the tests compile the same optimizer steps; a C++ compile takes seconds each) and
-    matplotlib's font list. They live in this environment (``.venv/course-test-cache``), beside what it installed;
-    a notebook's fresh HOME stays fresh otherwise."""
-    base = Path(sys.prefix) / "course-test-cache"
-    if not os.access(sys.prefix, os.W_OK):
-        base = Path(os.environ.get("TMPDIR", "/tmp")) / "course-test-cache"
+    matplotlib's font list. They live in the user's cache folder (``~/.cache/when-the-model-does-not-fit-tests``),
+    outside the repository; a notebook's fresh HOME stays fresh otherwise."""
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "when-the-model-does-not-fit-tests"
+    try:  # outside the repository, which an installed run mounts read-only (a compile takes a lock file there)
+        base.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        base = Path(os.environ.get("TMPDIR", "/tmp")) / "when-the-model-does-not-fit-tests"
     folders = {"TORCHINDUCTOR_CACHE_DIR": base / "torchinductor", "MPLCONFIGDIR": base / "matplotlib"}
     for folder in folders.values():
         folder.mkdir(parents=True, exist_ok=True)
@@ -341,7 +343,7 @@ def fresh_environment(work: Path, dependencies: Path, isolation: str) -> tuple[P
     return venv / "bin" / "python", site
 
 
-def kernel_env(work: Path, python: Path, wheel: Path) -> dict:
+def kernel_env(work: Path, python: Path, wheel: Path, threads: int | None = None) -> dict:
     home, tmp, jupyter, ipython = work / "home", work / "tmp", work / "jupyter", work / "ipython"
     kernel_dir, startup = jupyter / "kernels" / KERNEL_NAME, ipython / "profile_default" / "startup"
     for folder in (home, tmp, kernel_dir, startup):
@@ -353,19 +355,21 @@ def kernel_env(work: Path, python: Path, wheel: Path) -> dict:
     return {"HOME": str(home), "TMPDIR": str(tmp), "JUPYTER_PATH": str(jupyter), "IPYTHONDIR": str(ipython),
             "COURSE_INSTALLED_REPORT": str(work / "report.json"),
             "PATH": f"{python.parent}:/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONNOUSERSITE": "1",
-            "COURSE_PROFILE": "smoke", "COURSE_INSTALL_SPEC": str(wheel), "PIP_DISABLE_PIP_VERSION_CHECK": "1",
+            "COURSE_PROFILE": os.environ.get("COURSE_PROFILE", "smoke"), "COURSE_INSTALL_SPEC": str(wheel), "PIP_DISABLE_PIP_VERSION_CHECK": "1",
             "COURSE_INSTALLED_RUN": "1", "MPLBACKEND": "Agg", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-            **warm_caches()}
+            **warm_caches(),
+            # notebooks run side by side: each kernel's default thread count (a cell that times threads sets its own)
+            **({"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)} if threads else {})}
 
 
-def run_one(source: Path, base: Path, wheel: Path, dependencies: Path, isolation: str) -> dict:
+def run_one(source: Path, base: Path, wheel: Path, dependencies: Path, isolation: str, threads: int | None = None) -> dict:
     """Copy the notebook at ``source`` alone into an empty folder and run it as installed; return the result."""
     notebook = source.name
     work = base / source.stem
     folder = work / "course"
     folder.mkdir(parents=True)
     python, site = fresh_environment(work, dependencies, isolation)
-    env = kernel_env(work, python, wheel)
+    env = kernel_env(work, python, wheel, threads)
     shutil.copy2(source, folder / notebook)
     seen = subprocess.run(
         [str(python), "-c", "import importlib.util as u, json; print(json.dumps({n: u.find_spec(n) is not None "

@@ -306,7 +306,12 @@ def pytest_collection_finish(session):
         from course_utils import paths
 
         base = session.config._tmp_path_factory.mktemp("notebook-runs")  # pytest keeps the last three runs'
-        notebook_runs.runs(results_dir=paths.results_dir(), base=base).start(notebooks)
+        runs = notebook_runs.runs(results_dir=paths.results_dir(), base=base)
+        runs.start(notebooks)
+        import torch
+
+        # the unit tests share the cores with the notebooks: threads that spin against each other waste them
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) - runs.workers))
 
 
 _CONFIG: dict = {}  # this test run's config, for the hooks that are not given it

@@ -133,7 +133,8 @@ def execute_notebook(path: Path) -> int:
 def run_notebook(path: Path, *, profile: str, results_dir: Path, log_dir: Path, timeout_s: int,
                  runner: str = "nbval") -> dict:
     """Run one notebook in a fresh process (under nbval, or :func:`execute_notebook`) and return its report row."""
-    env = dict(os.environ, COURSE_PROFILE=profile, COURSE_RESULTS_DIR=str(results_dir.resolve()))
+    env = dict(os.environ, COURSE_PROFILE=profile, COURSE_RESULTS_DIR=str(results_dir.resolve()),
+               COURSE_NOTEBOOKS="here")  # this machine's environment and GPU, its results where the report reads
     if runner == "nbval":
         cmd = [sys.executable, "-m", "pytest", str(path), "-q", "-p", "no:cacheprovider",
                "--rootdir", str(REPO_ROOT), "-c", str(REPO_ROOT / "pyproject.toml")]

@@ -16,6 +16,7 @@ from collections import Counter, defaultdict, deque
 from dataclasses import dataclass, field
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from .memory import _MultiStepMemTracker, format_bytes
 from .validation import byte_counts, positive_int
@@ -103,6 +104,8 @@ class _Walk:
         self.graph_only: bool = False
 
     def tensor(self, t: torch.Tensor, kind: str, via_graph: bool) -> None:
+        if isinstance(t, FakeTensor):  # shapes without memory
+            return
         if hasattr(t, "__tensor_flatten__") and type(t) not in (torch.Tensor, torch.nn.Parameter):
             inner = getattr(t, "__tensor_flatten__")()[0]
             for name in inner:
@@ -123,11 +126,17 @@ class _Walk:
             held.append(obj)  # saved tensors are unpacked afresh: held, no id is reused while the walk runs
             push = lambda children, k=kind, g=graph: stack.extend((c, k, g) for c in children)  # noqa: E731
             if isinstance(obj, torch.Tensor):
+                if isinstance(obj, FakeTensor):  # shapes without memory (a prediction's leftovers)
+                    continue
                 self.tensor(obj, "autograd graph" if graph and kind == "tensor" else kind, graph)
-                if obj.is_leaf and obj.grad is not None:
-                    stack.append((obj.grad, "gradient", graph))
-                if obj.grad_fn is not None:
-                    stack.append((obj.grad_fn, "tensor", True))
+                try:
+                    grad, grad_fn = obj.grad if obj.is_leaf else None, obj.grad_fn
+                except RuntimeError:  # a view autograd refuses to describe: its bytes are counted, its graph not
+                    grad = grad_fn = None
+                if grad is not None:
+                    stack.append((grad, "gradient", graph))
+                if grad_fn is not None:
+                    stack.append((grad_fn, "tensor", True))
             elif isinstance(obj, torch.nn.Module):
                 push(obj._parameters.values(), "parameter")
                 push(obj._buffers.values(), "buffer")
@@ -158,14 +167,21 @@ class _Walk:
 
     @staticmethod
     def _node(node, push) -> None:
-        """An autograd node: its saved tensors (as backward will read them), the leaf it accumulates into, the next."""
-        saved = []
+        """An autograd node: its saved tensors, the leaf it accumulates into, the next nodes. Saved tensors are read
+        as stored, never unpacked: unpacking runs a hook's unpack (checkpoint's recomputes the forward, an offload's
+        copies back), which would allocate what the doctor is counting."""
+        saved = [getattr(node, "variable", None)]
         for name in dir(node):
-            if name.startswith("_saved_") or name in ("variable", "saved_tensors"):
+            if name.startswith("_raw_saved_"):
                 try:
-                    saved.append(getattr(node, name))
+                    raw = getattr(node, name)
                 except RuntimeError:  # freed by a backward already
-                    pass
+                    continue
+                for item in raw if isinstance(raw, (list, tuple)) else (raw,):
+                    try:
+                        saved.append(getattr(item, "data", item))  # the tensor, or what a pack hook returned
+                    except RuntimeError:
+                        pass
         push(saved)
         push(fn for fn, _ in getattr(node, "next_functions", ()) if fn is not None)
 

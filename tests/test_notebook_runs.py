@@ -96,3 +96,11 @@ def test_a_bad_notebook_mode_stops_pytest_with_the_message(tmp_path):
                            str(tmp_path)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     assert "COURSE_NOTEBOOKS='sometimes': use 'installed'" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+
+
+def test_the_shared_caches_are_outside_the_repository():
+    """An installed run mounts the repository read-only, and torch.compile takes a lock file in its cache: a cache
+    inside the repository (say in .venv) fails 06's and 08's compiled optimizers there."""
+    for name, folder in installed.warm_caches().items():
+        assert not Path(folder).resolve().is_relative_to(installed.ROOT), f"{name}={folder} is inside the repository"
+        assert Path(folder).is_dir()
