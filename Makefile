@@ -32,7 +32,7 @@ test:
 	$(MAKE) --no-print-directory install && $(PY) -m pytest || status=$$?; \
 	echo "make test: $$(( $$(date +%s) - start )) s wall, install included"; exit $$status
 
-# Contributors: the unit tests alone (no notebook, no browser, nothing marked slow), in under two minutes.
+# Contributors: the unit tests alone (no notebook, no browser, nothing marked slow).
 test-fast: install
 	$(PY) -m pytest tests -m "not slow and not after_notebooks" -q
 
