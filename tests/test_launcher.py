@@ -21,9 +21,35 @@ from course_tools.launcher import LaunchError, launch
 WORKERS = Path(__file__).resolve().parent / "workers"
 
 
-def _my_children():
-    return [c for c in psutil.Process().children(recursive=True) if c.is_running()
-            and c.status() != psutil.STATUS_ZOMBIE]
+def _still_running(script: Path) -> list[int]:
+    """Live processes, anywhere on the machine, running ``script``: a rank the launcher left behind.
+
+    Searched by command line rather than as this process's children: an orphaned rank is reparented (so it is
+    no child of ours), and the notebooks this test run executes in the background start children of their own.
+    """
+    left = []
+    for proc in psutil.process_iter(["cmdline", "status"]):
+        try:
+            if str(script) in (proc.info["cmdline"] or []) and proc.info["status"] != psutil.STATUS_ZOMBIE:
+                left.append(proc.pid)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return left
+
+
+def test_the_search_for_ranks_left_behind_finds_one():
+    """Otherwise the 'nothing left running' checks below could never fail."""
+    script = WORKERS / "hang.py"
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", str(script)])
+    try:
+        deadline = time.monotonic() + 10
+        while proc.pid not in _still_running(script):
+            assert time.monotonic() < deadline, "a running process with the script's path was not found"
+            time.sleep(0.05)
+    finally:
+        proc.kill()
+        proc.wait(10)
+    assert proc.pid not in _still_running(script)
 
 
 def test_launch_rejects_bad_input(tmp_path):
@@ -36,7 +62,6 @@ def test_launch_rejects_bad_input(tmp_path):
 
 
 def test_command_line_runs_two_ranks_joined_in_one_group(tmp_path, capsys):
-    before = {c.pid for c in _my_children()}
     assert launcher.main(["--nproc-per-node", "2", "--timeout", "120", "--threads-per-rank", "1",
                           str(WORKERS / "rank_info.py"), "2.0", str(tmp_path)]) == 0
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
@@ -46,7 +71,7 @@ def test_command_line_runs_two_ranks_joined_in_one_group(tmp_path, capsys):
     assert ranks[0]["pid"] != ranks[1]["pid"]
     out = capsys.readouterr().out
     assert "[rank 1] rank 1 of 2: sum 6.0" in out and "2 ranks finished" in out
-    assert {c.pid for c in _my_children()} <= before           # nothing left running
+    assert not _still_running(WORKERS / "rank_info.py")         # nothing left running
 
 
 def test_command_line_reports_a_failure(tmp_path, capsys):
@@ -55,26 +80,24 @@ def test_command_line_reports_a_failure(tmp_path, capsys):
 
 
 def test_launch_stops_hanging_ranks_at_the_timeout(tmp_path):
-    before = {c.pid for c in _my_children()}
     t0 = time.monotonic()
     with pytest.raises(LaunchError, match="did not finish within timeout_s=3"):
         launch(WORKERS / "hang.py", tmp_path, timeout_s=3, grace_s=1)
     assert time.monotonic() - t0 < 3 + 1 + 6 + 3               # timeout + grace + SIGKILL wait (+ slack), not forever
-    assert {c.pid for c in _my_children()} <= before           # no orphaned ranks
+    assert not _still_running(WORKERS / "hang.py")             # no orphaned ranks
     for pid_file in tmp_path.glob("rank*.pid"):                # ranks that got as far as the hang are gone
         pid = int(pid_file.read_text())
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
 
 
 def test_launch_reports_the_failing_rank_and_stops_the_others():
-    before = {c.pid for c in _my_children()}
     with pytest.raises(LaunchError) as info:
         launch(WORKERS / "fail.py", 1, timeout_s=120, grace_s=1)
     msg = str(info.value)
     assert "failed on rank(s) [1]" in msg or "failed on rank(s) [0, 1]" in msg
     assert "rank 1 failed on purpose" in msg                   # the rank's own traceback reaches the caller
     assert "runpy" not in msg                                   # the traceback starts at the script
-    assert {c.pid for c in _my_children()} <= before
+    assert not _still_running(WORKERS / "fail.py")
 
 
 @pytest.mark.slow
