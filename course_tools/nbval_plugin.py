@@ -92,14 +92,29 @@ def _vm_hwm_bytes(pid: int) -> int:
         return 0
 
 
+def _child_adds(child, kernel, kernel_cmdline) -> int:
+    """The bytes a kernel's child adds to the kernel's resident set (see KernelMemorySampler)."""
+    info = child.memory_full_info()
+    if child.cmdline() != kernel_cmdline:         # another program: its share of every page it maps
+        return getattr(info, "pss", info.rss)
+    kernel_now = kernel.memory_info()
+    if (info.rss, info.vms) == (kernel_now.rss, kernel_now.vms):
+        return 0    # the kernel's own address space (vfork before exec), or a fork that has written nothing yet
+    return getattr(info, "uss", info.rss)         # a copy of the kernel: the pages it alone holds
+
+
 class KernelMemorySampler:
     """Peak resident memory of a kernel process together with the processes it spawns, sampled in a thread.
 
     What a session's memory limit sees is the sum at one moment, so every sample adds the kernel's
-    resident set to the children's proportional set sizes (PSS: pages shared between processes, such
-    as libtorch mapped by every rank, count once) and the largest such sum is kept. The kernel's own
-    peak is also read exactly (its VmHWM), so a kernel spike shorter than ``interval`` still counts,
-    alone. A child living less than ``interval`` seconds can be missed.
+    resident set to what its children add, and the largest such sum is kept. A child that runs another
+    program (a compiler, a rank) adds its proportional set size (PSS: pages shared between processes,
+    such as libtorch mapped by every rank, count once). A child that is still a copy of the kernel
+    (forked, not yet running another program) adds only the pages it owns alone (USS): the rest are the
+    kernel's, already counted; and one that shares the kernel's whole address space (``vfork``, for the
+    instant before ``exec``) adds nothing. The kernel's own peak is also read exactly (its VmHWM), so a
+    kernel spike shorter than ``interval`` still counts, alone. A child living less than ``interval``
+    seconds can be missed. ``peak_detail`` says who made up the largest sum.
     """
 
     def __init__(self, pid: int, interval: float = 0.1):
@@ -108,7 +123,8 @@ class KernelMemorySampler:
         self.pid, self.interval = pid, interval
         self.children_peak = 0   # the largest sum over the children at one sample
         self.kernel_peak = 0     # the kernel alone: its VmHWM
-        self.together_peak = 0   # the kernel's RSS + its children's PSS, at one sample
+        self.together_peak = 0   # the kernel's RSS + what its children add, at one sample
+        self.peak_detail = ""    # who made up together_peak
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="kernel-rss")
         self._thread.start()
@@ -120,18 +136,24 @@ class KernelMemorySampler:
         try:
             kernel = psutil.Process(self.pid)
             kernel_now = kernel.memory_info().rss
+            kernel_cmdline = kernel.cmdline()
             children = kernel.children(recursive=True)
         except Exception:
             return
-        now = 0
+        now, who = 0, []
         for child in children:
             try:
-                info = child.memory_full_info()
+                added = _child_adds(child, kernel, kernel_cmdline)
+                name = child.name()
             except Exception:  # exited since the listing, or not ours to read
                 continue
-            now += getattr(info, "pss", info.rss)
+            now += added
+            who.append((added, name))
         self.children_peak = max(self.children_peak, now)
-        self.together_peak = max(self.together_peak, kernel_now + now)
+        if kernel_now + now > self.together_peak:
+            self.together_peak = kernel_now + now
+            parts = [f"kernel {kernel_now / 2**20:,.0f}"] + [f"{n} {b / 2**20:,.0f}" for b, n in sorted(who)[::-1][:4]]
+            self.peak_detail = " + ".join(parts) + " MiB"
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -227,7 +249,8 @@ def _peak_rss_item_class():
                 raise AssertionError(
                     f"{self.parent.path.name}: its kernel (with the processes it spawned) peaked at {peak_mib:,.0f} MiB "
                     f"of resident memory, above the {RSS_LIMIT_MIB} MiB a free Binder session has: shrink its "
-                    "profile-smoke sizes.")
+                    f"profile-smoke sizes. The kernel alone peaked at {sampler.kernel_peak / 2**20:,.0f} MiB; the "
+                    f"largest sum with its children was {sampler.peak_detail or 'never sampled'}.")
 
         def reportinfo(self):
             return self.path, None, f"{self.parent.path.name}::peak_rss"

@@ -66,3 +66,25 @@ def test_a_vanished_process_reads_zero():
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait()
     assert nbval_plugin._vm_hwm_bytes(proc.pid) == 0
+
+
+def test_a_forked_copy_of_the_kernel_adds_only_the_pages_it_writes():
+    # After fork, parent and child share the parent's 300 MiB until one writes it; a memory limit charges
+    # those pages once. The child then writes 100 MiB of its own: 400 MiB at once, not 300 + 150 + 100.
+    code = ("import os, time\n"
+            "b = bytearray(300 * 2**20); b[::4096] = b'x' * len(b[::4096])\n"
+            "pid = os.fork()\n"
+            "if pid == 0:\n"
+            "    c = bytearray(100 * 2**20); c[::4096] = b'y' * len(c[::4096]); time.sleep(2); os._exit(0)\n"
+            "os.waitpid(pid, 0)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        sampler = nbval_plugin.KernelMemorySampler(proc.pid, interval=0.05)
+        proc.wait()
+        sampler.stop()
+    finally:
+        proc.wait()
+    assert sampler.children_peak >= 95 * 2**20, "the pages the forked child wrote were not counted"
+    assert 390 * 2**20 <= sampler.together_peak < 460 * 2**20, (
+        f"{sampler.together_peak / 2**20:.0f} MiB for a 300 MiB kernel and a fork that wrote 100 MiB "
+        f"({sampler.peak_detail})")
