@@ -1,15 +1,18 @@
 """The course's widgets, driven in a real browser: JupyterLab + headless Chromium (Debian's
 `chromium` and `chromium-driver`, through selenium).
 
-In 00 it runs every cell, changes the planner's model and then its GPU, and checks that the verdict
-text and the chart change with no widget error; in 03 it moves the checkpointing slider and checks
-that the drawing changes. On failure it saves screenshots under report/browser/.
+In 00 it runs the notebook from the Run menu up to the planner, changes the planner's model and then
+its GPU, and checks that the verdict text and the chart change with no widget error; in 03 it runs up
+to the checkpointing explorer, moves its slider and checks that the drawing changes. The cells after a
+widget (nbval runs them all) are left out of the copy the browser opens: they would only add minutes.
+On failure it saves screenshots under report/browser/.
 
 `.ci/run` installs the browser on a fresh machine; elsewhere the test is skipped, with the command
 that installs it, when Chromium or its driver is missing.
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -38,8 +41,22 @@ from selenium.webdriver.common.keys import Keys  # noqa: E402
 from selenium.webdriver.support.ui import Select, WebDriverWait  # noqa: E402
 
 TOKEN = "course-browser-test"
+# Each notebook the browser opens, and the start of the code cell that shows its widget: the copy ends there.
+WIDGET_CELLS = {"00_start_here.ipynb": "planner.planner_widget(",
+                "03_gradient_checkpointing.ipynb": "ckpt.chain_explorer("}
 CELL_OF = "./ancestor::div[contains(@class,'jp-CodeCell')][1]"  # the notebook cell holding a widget
 WIDGET_ERRORS = ("Error displaying widget", "Failed to load model class", "model not found")
+
+
+def _copy_up_to(source: Path, target: Path, widget_code: str) -> None:
+    """Copy a notebook's cells up to and including the first code cell that starts with ``widget_code``."""
+    notebook = json.loads(source.read_text(encoding="utf-8"))
+    ends = [i for i, cell in enumerate(notebook["cells"])
+            if cell["cell_type"] == "code" and "".join(cell["source"]).lstrip().startswith(widget_code)]
+    if not ends:
+        pytest.fail(f"{source.name} has no code cell starting with {widget_code!r}: update WIDGET_CELLS")
+    notebook["cells"] = notebook["cells"][:ends[0] + 1]
+    target.write_text(json.dumps(notebook, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
 def _free_port() -> int:
@@ -52,8 +69,8 @@ def _free_port() -> int:
 def lab(tmp_path_factory):
     """A JupyterLab server on a free local port, serving copies of the notebooks."""
     folder = tmp_path_factory.mktemp("lab")
-    for name in ("00_start_here.ipynb", "03_gradient_checkpointing.ipynb"):
-        shutil.copy(ROOT / "notebooks" / name, folder / name)
+    for name, widget_code in WIDGET_CELLS.items():
+        _copy_up_to(ROOT / "notebooks" / name, folder / name, widget_code)
     port = _free_port()
     # Render every cell, not only those in view (JupyterLab 4 windows long notebooks), so widgets exist to be driven.
     settings = folder / "lab-settings" / "@jupyterlab" / "notebook-extension"
@@ -188,7 +205,8 @@ def _labelled(driver, css: str, label: str, required: bool = True):
 
 
 def _open_widget(browser, lab_url: str, notebook: str, css: str, label: str, what: str):
-    """Run ``notebook`` from the Run menu and return (the widget labelled ``label``, its cell, the cell's images)."""
+    """Run ``notebook`` (its copy ends at the widget) from the Run menu; return (the widget labelled ``label``, its
+    cell, the cell's images)."""
     _run_all(browser, lab_url, notebook)
     assert not _page_errors(browser), _page_errors(browser)
     try:
