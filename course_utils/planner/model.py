@@ -31,8 +31,9 @@ Time per optimizer step (the planner's own model, approximate) = compute + optim
   parameter;
 * notebooks 08-09's toggles: offloaded activations and streamed weights (the card keeps the embedding, the head and
   ``STREAMED_BLOCKS`` blocks) copy on a side stream, so only the part longer than compute shows; the chunked loss
-  (``LOSS_CHUNKS`` checkpointed chunks of tokens) costs one more head matmul; LoRA (fp32 adapters on GPT-2's c_attn,
-  c_proj and c_fc, frozen weights) computes 4/6 (no weight gradients).
+  (``LOSS_CHUNKS`` checkpointed chunks of tokens) costs one more head matmul; LoRA (fp32 adapters on the blocks'
+  linear layers, GPT-2's c_attn, c_proj and c_fc, frozen weights) computes 4/6 (no weight gradients); QLoRA's 4-bit
+  weights are dequantized for each matmul (forward, backward, recompute): memory traffic at the card's bandwidth.
 """
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ from ..memory import CATEGORIES as MEMORY_CATEGORIES
 from ..results import load_notebook
 from ..units import GIB
 from ..validation import positive_int
+from .adapters import QUANTIZATIONS, base_bytes, check_targets, lora_tensors, quantized_numel, targeted
 from .specs import GPUSpec, ModelSpec, get_gpu, get_model, presets
 
 MFU = 0.40
@@ -87,6 +89,8 @@ class Settings:
     fused_update: bool = False
     lora_rank: int | None = None  # None: every weight trains
     stream_weights: bool = False
+    lora_targets: tuple | None = None  # names of a block's linear layers the adapters wrap; None: all of them
+    quantize_base: str | None = None  # QLoRA: 'nf4' (bitsandbytes' NF4) or 'nf4_double' (absmax quantized too)
 
     @property
     def cpu_step_optimizer(self) -> str:
@@ -115,7 +119,9 @@ class Settings:
                  "stream gradients to CPU": self.stream_grads,
                  "stream weights from CPU": self.stream_weights, "chunked loss": self.chunked_loss,
                  "offload activations": self.offload_activations, "update fused into backward": self.fused_update,
-                 f"LoRA adapters (rank {self.lora_rank})": self.lora_rank}
+                 f"LoRA adapters (rank {self.lora_rank})": self.lora_rank,
+                 f"QLoRA: frozen weights in 4-bit {self.quantize_base.upper().replace('_', ' ')}"
+                 if self.quantize_base else "": True}
         return out + [name for name, on in flags.items() if on and name]
 
 
@@ -163,9 +169,12 @@ def state_bytes(model: ModelSpec, optimizer: str, n: int, sizes=None) -> int:
     return optimizer_state_bytes(n, optimizer, param_dtype="fp32", tensor_sizes=sizes)
 
 
-def lora_params(model: ModelSpec, rank: int) -> int:
-    """Trainable parameters of rank-``rank`` adapters on every block of a GPT-2-shaped model."""
-    return model.n_blocks * rank * LORA_WIDTHS_PER_BLOCK * model.hidden_size
+def lora_params(model: ModelSpec, rank: int, targets=None) -> int:
+    """Trainable parameters of rank-``rank`` adapters on every block: on the linear layers named in ``targets`` (None:
+    all of a block's, as peft's ``target_modules='all-linear'``), or GPT-2's c_attn, c_proj and c_fc."""
+    if not model.linears and targets is None:
+        return model.n_blocks * rank * LORA_WIDTHS_PER_BLOCK * model.hidden_size
+    return model.n_blocks * sum(lora_tensors(model, rank, targets))
 
 
 @dataclass
@@ -267,6 +276,16 @@ def make_settings(model: ModelSpec, **knobs) -> Settings:
             key = normalize_optimizer(s.optimizer)
         except ValueError:
             raise ValueError(f"Unknown optimizer {s.optimizer!r}; choose one of {OPTIMIZERS + tuple(BEYOND_ADAM)}.") from None
+    if s.quantize_base is not None:
+        _choice(s.quantize_base, "quantize_base", QUANTIZATIONS)
+        if not lora:
+            raise ValueError(f"quantize_base={s.quantize_base!r} stores the frozen weights in 4 bits for QLoRA: set "
+                             "lora_rank (e.g. 16) too, or quantize_base=None to train every weight.")
+        if s.precision.endswith("_amp"):
+            raise ValueError(f"With quantize_base the compute dtype is the precision: choose 'bf16', 'fp16' or "
+                             f"'fp32' (the unquantized weights are stored in it), not {s.precision!r}.")
+    if s.lora_targets is not None and not lora:
+        raise ValueError("lora_targets names the layers LoRA adapts: set lora_rank too, or lora_targets=None.")
     if lora and s.master_on_cpu:
         raise ValueError("With LoRA only the small adapters train and their optimizer stays on the GPU: set "
                          "master_on_cpu=False (and stream_grads, stream_weights False), or lora_rank=None.")
@@ -278,7 +297,7 @@ def make_settings(model: ModelSpec, **knobs) -> Settings:
     return replace(s, micro_batch=micro_batch, size=size, accumulation=accumulation, attention=attention,
                    checkpointing=_choice(s.checkpointing, "checkpointing", CHECKPOINTING),
                    precision=_choice(s.precision, "precision", PRECISIONS), optimizer=key,
-                   lora_rank=int(s.lora_rank) if lora else None)
+                   lora_rank=int(s.lora_rank) if lora else None, lora_targets=check_targets(model, s.lora_targets))
 
 
 def _units(model: ModelSpec, size: int) -> float:
@@ -310,7 +329,8 @@ def _activations(model: ModelSpec, s: Settings) -> dict:
     half, amp = s.precision in ("fp16", "bf16"), s.precision.endswith("_amp")
     c = model.coeffs(s.device, s.attention, "half" if half else "amp" if amp else "fp32")
     B, u, nb = s.micro_batch, _units(model, s.size), model.n_blocks
-    extra = B * u * 4 * 4 * s.lora_rank if s.lora_rank else 0  # each adapter saves x A^T (r fp32 values per token)
+    adapters = len(targeted(model, s.lora_targets)) if model.linears or s.lora_targets else 4
+    extra = B * u * 4 * adapters * s.lora_rank if s.lora_rank else 0  # each adapter saves x A^T (r fp32 per token)
     a = dict(block=[B * _at(c.block[i], u) + extra for i in range(nb)],
              largest=[B * max(c.largest[i][0] * u, c.largest[i][1] * u * u) for i in range(nb)],
              stem=B * _at(c.stem, u))
@@ -340,17 +360,21 @@ def predict_settings(model: ModelSpec, gpu: GPUSpec, s: Settings) -> Plan:
     w = 2 if half else 4  # bytes per parameter and per gradient on the GPU
     nb = model.n_blocks
     lora = s.lora_rank is not None
-    n_train = lora_params(model, s.lora_rank) if lora else n
-    adapter = n_train // (8 * nb) if lora else 0  # one adapter matrix (A or B), about
+    n_train = lora_params(model, s.lora_rank, s.lora_targets) if lora else n
+    exact = lora and (model.linears or s.lora_targets)  # each adapter tensor known (else GPT-2's, about)
+    tensors = lora_tensors(model, s.lora_rank, s.lora_targets) if exact else []
+    adapter = max(tensors) if exact else n_train // (8 * nb) if lora else 0  # the largest adapter matrix (A or B)
     gw = 4 if lora else w  # bytes per trainable gradient (adapters: fp32)
 
     # persistent state
     resident = model.head_params + sum(sorted(model.block_params)[-STREAMED_BLOCKS:]) if s.stream_weights else n
-    params = resident * w + (4 * n_train if lora else 0)
+    frozen = base_bytes(model, s.quantize_base, w) if s.quantize_base else resident * w
+    params = frozen + (4 * n_train if lora else 0)
     if s.master_on_cpu:
         optimizer = 0
     else:  # the optimizer's state, kept for fp32 values (pure half trains an fp32 master copy), per tensor
-        sizes = [adapter] * 8 * nb if lora else [model.largest_tensor] + [max(1, (n - model.largest_tensor) // nb)] * nb
+        sizes = (tensors * nb if exact else [adapter] * 8 * nb) if lora else \
+            [model.largest_tensor] + [max(1, (n - model.largest_tensor) // nb)] * nb
         optimizer = state_bytes(model, s.optimizer, n_train, sizes)
         optimizer += 4 * n if half and not lora and s.optimizer != "adamw_bf16_sr" else 0  # fp32 master weights
     weight_copies = 2 * n if amp else 0  # autocast's fp16/bf16 copies of the weights (kept for backward)
@@ -362,7 +386,7 @@ def predict_settings(model: ModelSpec, gpu: GPUSpec, s: Settings) -> Plan:
     # fused update, streamed gradients: one tensor's gradient, and a tied embedding's (complete only when backward
     # reaches the embedding)
     g_one = [gw * adapter if lora else model.block_largest[i] * w for i in range(nb)]
-    tied = round(model.output_per_unit) * model.hidden_size * w if model.output_per_unit and not lora else 0
+    tied = round(model.output_per_unit) * model.hidden_size * w if model.tied_head and not lora else 0
     adam = not s.master_on_cpu and s.optimizer in ("adam", "adamw")
     per_tensor_scratch = (4 if s.device == "cuda" else 8) if adam else 0  # fp32 values per element: CUDA 1, CPU 2
     off = s.offload_activations
@@ -449,12 +473,15 @@ def step_seconds(model: ModelSpec, gpu: GPUSpec, s: Settings) -> float:
         opt = pcie + n * cpu_step_ns(s.cpu_step_optimizer)[0] * 1e-9
     else:
         if s.lora_rank is not None:  # the weights and gradients, the state read and written
-            n_lora = lora_params(model, s.lora_rank)
+            n_lora = lora_params(model, s.lora_rank, s.lora_targets)
             touched = 8 * n_lora + 2 * optimizer_state_bytes(n_lora, s.optimizer)
         else:  # the weights, gradients, an fp32 master in pure half (read and written), the state read and written
             master = 8 if w == 2 and s.optimizer != "adamw_bf16_sr" else 0
             touched = n * (2 * w + master) + 2 * state_bytes(model, s.optimizer, n)
         opt = touched / (gpu.mem_bandwidth_gbs * 1e9)
+    if s.quantize_base:  # each 4-bit weight dequantized (read, written, read) in forward, backward and any recompute
+        passes = s.accumulation * (2 + (s.checkpointing != "none"))
+        opt += passes * quantized_numel(model) * (0.5 + 2 * w) / (gpu.mem_bandwidth_gbs * 1e9)
     # side-stream copies beside compute: only the part longer than compute shows
     copies = s.accumulation * (2 * _activations(model, s)["saved"] * s.offload_activations
                                + 2 * n * w * s.stream_weights)

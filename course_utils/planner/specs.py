@@ -121,11 +121,18 @@ class ModelSpec:
     ref_size: int = 1  # reference image size for vision models (u = (size/ref)**2)
     default_size: int = 1  # default sequence length or image size
     max_size: int | None = None  # longest sequence the model reads (transformers)
+    hidden: int | None = None  # a transformer's width; None: from GPT-2's and BERT's 12 d**2 + 13 d per block
+    tied: bool | None = None  # the head shares the input embedding; None: as GPT-2 (tied if it returns logits)
+    linears: tuple = ()  # one block's linear layers (name, in, out): what LoRA targets; (): GPT-2's Conv1D
 
     @property
     def hidden_size(self) -> int:
-        """A transformer's width d, from its block's 12 d**2 + 13 d parameters (GPT-2 and BERT)."""
-        return round((-13 + math.sqrt(169 + 48 * max(self.block_params))) / 24)
+        """A transformer's width d (given, or from its block's 12 d**2 + 13 d parameters: GPT-2 and BERT)."""
+        return self.hidden or round((-13 + math.sqrt(169 + 48 * max(self.block_params))) / 24)
+
+    @property
+    def tied_head(self) -> bool:
+        return bool(self.output_per_unit) if self.tied is None else self.tied
 
     @property
     def n_blocks(self) -> int:
@@ -178,14 +185,21 @@ def model_presets() -> list[str]:
 
 
 def get_model(model) -> ModelSpec:
-    """A ModelSpec from a preset name ('gpt2-xl', 'bert-base', 'efficientnet_b0', ...) or a ModelSpec."""
+    """A ModelSpec from a preset name ('gpt2-xl', 'bert-base', 'efficientnet_b0', ...), a shipped LLM ('llama-3.1-8b'
+    or its repo id, see ``llm.llm_presets()``) or a ModelSpec."""
+    from .llm import hf_spec, llm_name, llm_presets
+
     if isinstance(model, ModelSpec):
         return model
     if not isinstance(model, str):
-        raise TypeError(f"model must be a preset name or a ModelSpec (custom_model(...)), not {type(model).__name__}.")
+        raise TypeError(f"model must be a preset name or a ModelSpec (custom_model(...), hf_spec(config)), not "
+                        f"{type(model).__name__}.")
     if model not in presets()["models"]:
-        raise ValueError(f"Unknown model {model!r}; choose one of {model_presets()}, "
-                         "or describe yours with custom_model(n_params, activation_bytes_per_sample).")
+        if llm_name(model):
+            return hf_spec(model)
+        raise ValueError(f"Unknown model {model!r}; choose one of {model_presets() + llm_presets()}, describe "
+                         "yours with custom_model(n_params, activation_bytes_per_sample), or price a transformers "
+                         "config with hf_spec(config).")
     return _preset_spec(model)
 
 
@@ -212,4 +226,5 @@ def spec_from_data(name: str, d: dict) -> ModelSpec:
                      largest_tensor=d["largest_tensor"], acts=acts, output_per_unit=d["output_per_unit"],
                      fwd_flops_per_unit=d["fwd_flops_per_unit"], unit=d["unit"], ref_size=d.get("ref_size", 1),
                      default_size=d["default_size"], max_size=d.get("max_size"),
-                     block_largest=per_block(d["block_largest"], int))
+                     block_largest=per_block(d["block_largest"], int), hidden=d.get("hidden"), tied=d.get("tied"),
+                     linears=tuple(tuple(x) for x in d.get("linears", ())))

@@ -1,0 +1,151 @@
+"""Today's open LLMs for the planner: any transformers causal-LM config, priced with fake tensors.
+
+``hf_spec(config)`` takes a shipped name (``'llama-3.1-8b'``, or its Hugging Face repo id), a ``config.json`` path, a
+dict or a ``transformers.PretrainedConfig``; it builds the model with ``AutoModelForCausalLM.from_config`` at 2 layers
+(the others are their twins) on fake tensors, as :mod:`.measure` does for GPT-2, and returns a ModelSpec with the
+model's width, its tied or untied embeddings and its blocks' linear layers (what LoRA and QLoRA act on). The shipped
+configs (``llms.json``: the public config.json values, no weights) come measured: nothing is downloaded, ever.
+"""
+from __future__ import annotations
+
+import copy
+import functools
+import json
+from importlib import resources
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .. import models
+from .measure import KINDS, measure_acts, transformer_data
+from .specs import ModelSpec, spec_from_data
+
+DEFAULT_SIZE = 1024  # the sequence length a plan uses unless told
+
+
+@functools.lru_cache(maxsize=1)
+def llm_data() -> dict:
+    """The parsed ``llms.json``: {'configs': {name: {'repo', 'label', 'params', 'config'}}, 'measured': {...}}."""
+    return json.loads(resources.files(__package__).joinpath("llms.json").read_text(encoding="utf-8"))
+
+
+def llm_presets() -> list[str]:
+    """Short names of the shipped LLM configs."""
+    return list(llm_data()["configs"])
+
+
+def llm_name(name: str) -> str | None:
+    """The shipped config's short name for a short name or a Hugging Face repo id (any case), else None."""
+    key = name.strip().lower()
+    return next((k for k, v in llm_data()["configs"].items() if key in (k, v["repo"].lower())), None)
+
+
+def hf_config(config):
+    """A ``transformers.PretrainedConfig`` from a shipped name or repo id, a config.json path, a dict or a config."""
+    from transformers import AutoConfig, PretrainedConfig
+
+    if isinstance(config, PretrainedConfig):
+        return copy.deepcopy(config)
+    if isinstance(config, (str, Path)):
+        shipped = llm_name(str(config))
+        if shipped:
+            config = llm_data()["configs"][shipped]["config"]
+        elif Path(config).is_file():
+            config = json.loads(Path(config).read_text(encoding="utf-8"))
+        else:
+            raise ValueError(f"Unknown model {str(config)!r}: not a shipped config ({llm_presets()}) nor a config.json "
+                             "file. Pass a path to a config.json, a dict of it, or a transformers config (nothing is "
+                             "downloaded).")
+    if not isinstance(config, dict):
+        raise TypeError(f"config must be a name, a config.json path, a dict or a transformers PretrainedConfig, not "
+                        f"{type(config).__name__}.")
+    values = dict(config)
+    model_type = values.pop("model_type", None)
+    if not model_type:
+        raise ValueError("The config needs its 'model_type' (e.g. 'llama', 'qwen2', 'mistral', 'gemma2', 'phi3'), "
+                         "as config.json has it.")
+    return AutoConfig.for_model(model_type, **values)
+
+
+def build_causal_lm(config, *, kind: str = "fp32", attention: str = "math", n_layers: int | None = 2) -> nn.Module:
+    """``AutoModelForCausalLM.from_config`` of ``config`` (a PretrainedConfig) with ``n_layers`` layers (None: as
+    configured), weights in fp16 for ``kind='half'``, ``attention`` 'math' (eager) or 'fused' (sdpa; eager for a
+    model transformers gives no SDPA path, such as Gemma-2), no KV cache."""
+    from transformers import AutoModelForCausalLM
+
+    config = copy.deepcopy(config)
+    if n_layers is not None:
+        config.num_hidden_layers = n_layers
+        if getattr(config, "layer_types", None) is not None:
+            config.layer_types = config.layer_types[:n_layers]
+    config.use_cache = False
+    with models.default_dtype(torch.float16 if kind == "half" else torch.float32):
+        try:
+            model = AutoModelForCausalLM.from_config(config, attn_implementation=models.ATTENTION[attention])
+        except ValueError:  # no SDPA path (Gemma-2's soft-capped logits): transformers trains it with eager
+            model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    model.loss_type = "ForCausalLM"
+    return model
+
+
+def blocks_of(model: nn.Module) -> list:
+    """The decoder layers of a transformers causal LM (``model.model.layers`` for Llama-style models)."""
+    base = getattr(model, model.base_model_prefix, model)
+    for attr in ("layers", "h", "blocks"):
+        found = getattr(base, attr, None) or getattr(getattr(base, "decoder", None), attr, None)
+        if isinstance(found, nn.ModuleList):
+            return list(found)
+    raise ValueError(f"{type(model).__name__}: no list of decoder layers found (model.layers / h / blocks).")
+
+
+def block_linears(block: nn.Module) -> tuple:
+    """The linear layers of one block as ``(name, in_features, out_features)``: what LoRA targets (peft's
+    ``target_modules='all-linear'``) and what QLoRA stores in 4 bits."""
+    return tuple((name, m.in_features, m.out_features) for name, m in block.named_modules() if isinstance(m, nn.Linear))
+
+
+def _build(config, kind: str, attention: str):
+    model = build_causal_lm(config, kind=kind, attention=attention)
+
+    def make(u):
+        x = torch.randint(0, config.vocab_size, (1, u))
+        return (), {"input_ids": x, "labels": x}
+    return model, blocks_of(model), make
+
+
+def hf_data(config, *, kinds=KINDS, pricings=None, fake: bool = True) -> dict:
+    """The planner's data (as ``presets.json`` keeps a model) of a transformers causal LM, measured now."""
+    config = hf_config(config)
+    acts = measure_acts(functools.partial(_build, config), transformer=True, fake=fake, kinds=kinds,
+                        pricings=pricings)
+    with models.fake_mode():
+        model = build_causal_lm(config)
+    blocks = blocks_of(model)
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    max_size = getattr(config, "max_position_embeddings", None)
+    return {**transformer_data(model, blocks, config.num_hidden_layers, acts, output_per_unit=config.vocab_size,
+                               default_size=min(DEFAULT_SIZE, max_size or DEFAULT_SIZE), max_size=max_size),
+            "hidden": config.hidden_size, "tied": tied, "linears": [list(x) for x in block_linears(blocks[0])]}
+
+
+@functools.lru_cache(maxsize=32)
+def _cached_spec(config_json: str, name: str, kinds: tuple, pricings: tuple | None, fake: bool) -> ModelSpec:
+    return spec_from_data(name, hf_data(json.loads(config_json), kinds=kinds, pricings=pricings, fake=fake))
+
+
+def hf_spec(config, name: str | None = None, *, kinds=KINDS, pricings=None, fake: bool = True) -> ModelSpec:
+    """A ModelSpec of a transformers causal LM: ``config`` a shipped name (:func:`llm_presets`) or its repo id (its
+    stored measurement, instant), a config.json path, a dict or a ``PretrainedConfig`` (measured now on fake tensors at
+    2 layers, a few seconds, cached). ``kinds``, ``pricings``: what to measure (fewer = faster); ``fake=False``: real
+    tensors, the CPU's pricing only (faster for tiny models)."""
+    shipped = llm_name(config) if isinstance(config, str) else None
+    if shipped and shipped in llm_data()["measured"]:
+        return spec_from_data(name or shipped, llm_data()["measured"][shipped])
+    cfg = hf_config(config)
+    values = cfg.to_dict()
+    for key in ("transformers_version", "_name_or_path", "architectures", "torch_dtype", "dtype"):
+        values.pop(key, None)
+    label = name or shipped or getattr(cfg, "name_or_path", "") or f"{cfg.model_type} (custom)"
+    return _cached_spec(json.dumps(values, sort_keys=True, default=str), label, tuple(kinds),
+                        tuple(pricings) if pricings else None, fake)
