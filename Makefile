@@ -32,9 +32,10 @@ test:
 	$(MAKE) --no-print-directory install && $(PY) -m pytest || status=$$?; \
 	echo "make test: $$(( $$(date +%s) - start )) s wall, install included"; exit $$status
 
-# Contributors: the unit tests alone (no notebook, no browser, nothing marked slow).
+# Contributors: the unit tests alone (no notebook, no browser, nothing marked slow), one worker per core (at most 4:
+# each imports torch), a test file to a worker (module fixtures and test_doctor's fresh process stay whole).
 test-fast: install
-	$(PY) -m pytest tests -m "not slow and not after_notebooks" -q
+	$(PY) -m pytest tests -m "not slow and not after_notebooks" -q -n auto --maxprocesses=4 --dist loadfile
 
 check: install
 	$(PY) -m course_tools.preflight --record

@@ -313,6 +313,10 @@ def pytest_configure(config):
     config._course_started = time.perf_counter()
     config._course_durations = {}
     _CONFIG["config"] = config
+    if os.environ.get("PYTEST_XDIST_WORKER"):   # one of pytest-xdist's workers (make test-fast): share the cores
+        import torch
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 
 
 def pytest_collection_finish(session):
