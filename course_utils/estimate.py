@@ -81,6 +81,25 @@ def training_state_bytes(n_params: int, *, optimizer: str = "adam", param_dtype=
     return TrainingBytes(n_params * width, n_params * width, optimizer, n_params * 4 if master_weights else 0)
 
 
+def _grad_bytes(obj) -> int:
+    """Bytes of the gradients backward makes for the tensors in ``obj`` that require one."""
+    tensors = [t for t in iter_tensors(obj) if t.requires_grad]
+    return tensor_bytes(*tensors) if tensors else 0
+
+
+def _held_tensors(obj, seen=None):
+    """Every tensor ``obj`` holds, also inside other objects' attributes (a returned key/value cache)."""
+    seen = set() if seen is None else seen
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif id(obj) not in seen and not isinstance(obj, (str, bytes, int, float, bool, type(None), nn.Module)):
+        seen.add(id(obj))
+        items = (obj if isinstance(obj, (list, tuple, set)) else obj.values() if isinstance(obj, dict)
+                 else vars(obj).values() if hasattr(obj, "__dict__") else ())
+        for item in items:
+            yield from _held_tensors(item, seen)
+
+
 def _forward_profile(model: nn.Module, inputs, kwargs) -> dict:
     """One forward pass in train mode, recording what autograd saves and when."""
     if not isinstance(model, nn.Module):
@@ -89,14 +108,21 @@ def _forward_profile(model: nn.Module, inputs, kwargs) -> dict:
         raise ValueError("Pass an example input, e.g. activation_bytes(model, torch.randn(8, 1, 28, 28)).")
     params, seen, last_use = {storage_key(p) for p in model.parameters()}, set(), {}
     leaf_modules = {id(m): name for name, m in model.named_modules() if not list(m.children())}
-    # each call of a leaf module opens a segment; ops outside modules join the segment of the module called last
+    # each call of a leaf module opens a segment, and its return another (same name: ops outside modules join the
+    # module called last), so that backward reaches the ops after a module (the loss) before the module's weights
     segments: list[dict] = [{"saved": 0, "largest": 0, "module": "(before any module)"}]
 
     def pre_hook(module, args):
         if id(module) in leaf_modules:
-            segments.append({"saved": 0, "largest": 0, "module": leaf_modules[id(module)]})
+            # backward through a module holds the gradient of its output and makes its inputs'
+            segments.append({"saved": 0, "largest": 0, "module": leaf_modules[id(module)], "grad_in": _grad_bytes(args)})
             for p in module.parameters(recurse=False):
                 last_use[id(p)] = (len(segments) - 1, p.numel() * p.element_size())
+
+    def post_hook(module, args, output):
+        if id(module) in leaf_modules:
+            segments[-1]["grad_out"] = _grad_bytes(output)
+            segments.append({"saved": 0, "largest": 0, "module": leaf_modules[id(module)]})
 
     def pack(t: torch.Tensor):
         if storage_key(t) not in params | seen:
@@ -107,35 +133,48 @@ def _forward_profile(model: nn.Module, inputs, kwargs) -> dict:
 
     was_training = model.training
     model.train()
-    handle = torch.nn.modules.module.register_module_forward_pre_hook(pre_hook)
+    handles = (torch.nn.modules.module.register_module_forward_pre_hook(pre_hook),
+               torch.nn.modules.module.register_module_forward_hook(post_hook))
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = model(*inputs, **kwargs)
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
         model.train(was_training)
-    outs = [t.untyped_storage().nbytes() for t in iter_tensors(out)]
+    # the outputs the training step holds (logits, loss), each storage once and not again if autograd saved it
+    outs = {storage_key(t): t.untyped_storage().nbytes() for t in _held_tensors(out)}
     del out
+    output_bytes = sum(v for k, v in outs.items() if k not in seen)
+    largest_output = max(outs.values(), default=0)
+    # the batch the step holds: what autograd did not save of it (labels, masks) is alive too
+    in_tensors = list(iter_tensors((inputs, kwargs)))
+    unsaved_inputs = tensor_bytes(*[t for t in in_tensors if storage_key(t) not in seen]) if in_tensors else 0
     saved = sum(seg["saved"] for seg in segments)
-    output_bytes, largest_output = sum(outs), max(outs, default=0)
 
     # Walk backward through the segments: the activations of segment s are freed once backward
     # has passed it; the gradients of parameters last used in segments >= s exist by then.
     grads_at = [0] * len(segments)
     for seg_index, nbytes in last_use.values():
         grads_at[seg_index] += nbytes
-    live, grads, backward_peak, last = saved + output_bytes, 0, 0, len(segments) - 1
+    # backward starts at the last segment that saved anything (the loss's, or the last module's); the gradient
+    # of the loss's input and of the logits (2 x the largest output) are its temporaries
+    last = max((i for i, seg in enumerate(segments) if seg["saved"]), default=len(segments) - 1)
+    live, grads, peak = saved + output_bytes + unsaved_inputs, sum(grads_at[last + 1:]), (-1, 0, 0, 0)
     for s in range(last, -1, -1):
         grads += grads_at[s]
-        temps = 2 * largest_output if s == last else segments[s]["largest"]
-        backward_peak = max(backward_peak, live + grads + temps)
-        live -= segments[s]["saved"] + (output_bytes if s == last else 0)
+        seg = segments[s]
+        temps = (2 * largest_output if s == last else
+                 seg["grad_in"] + seg["grad_out"] if "grad_out" in seg else seg["largest"])
+        if live + grads + temps > peak[0]:
+            peak = (live + grads + temps, live, grads, temps)
+        live -= segments[s]["saved"]
     by_module: dict[str, int] = {}
     for seg in segments:
         if seg["saved"]:
             by_module[seg["module"]] = by_module.get(seg["module"], 0) + seg["saved"]
-    return {"activations": saved + output_bytes, "inputs": tensor_bytes(*iter_tensors((inputs, kwargs))),
-            "backward_peak": backward_peak, "by_module": by_module}
+    return {"activations": saved + output_bytes, "inputs": tensor_bytes(*in_tensors) if in_tensors else 0,
+            "backward_peak": peak, "by_module": by_module}
 
 
 def activation_bytes(model: nn.Module, *inputs, **kwargs) -> int:
@@ -180,17 +219,13 @@ def estimate_training_memory(model: nn.Module, *inputs, optimizer: str = "adam",
     # the largest tensor; SGD works in place
     on_cuda = params[0].device.type == "cuda"
     scratch = (n if on_cuda else 2 * max(sizes)) * params[0].element_size() if opt in ("adam", "adamw") else 0
-    # activations not yet freed + gradients made so far + temporaries, at backward's highest point
-    backward_transient = profile["backward_peak"]
+    # backward's highest point: activations not yet freed + gradients made so far + temporaries
+    total, live, grads, temps = profile["backward_peak"]
     step_transient = state.grads + scratch + profile["inputs"]
-    if backward_transient >= step_transient:
-        grads = min(state.grads, backward_transient)
-        activations = min(profile["activations"], backward_transient - grads)
-        other = backward_transient - grads - activations
-        where = "during backward"
+    if total >= step_transient:
+        activations, other, where = live, temps, "during backward"
     else:
-        grads, activations, other = state.grads, profile["inputs"], scratch
-        where = "in optimizer.step()"
+        grads, activations, other, where = state.grads, profile["inputs"], scratch, "in optimizer.step()"
     by_category = dict(zip(CATEGORIES, (state.params, grads, state.optimizer, activations, other)))
     return MemoryEstimate(by_category=by_category, n_params=n,
                           notes=[f"peak predicted {where}; activations measured from one forward pass"])
