@@ -105,8 +105,30 @@ def block_linears(block: nn.Module) -> tuple:
     return tuple((name, m.in_features, m.out_features) for name, m in block.named_modules() if isinstance(m, nn.Linear))
 
 
-def _build(config, kind: str, attention: str):
+class RankOne(nn.Module):
+    """A frozen linear layer plus a rank-1 fp32 adapter, computed as peft computes LoRA (the input cast to the adapter's
+    dtype): what the planner measures LoRA's activations with (the rank's own share it adds)."""
+
+    def __init__(self, base):
+        super().__init__()
+        self.base = base
+        with models.default_dtype(torch.float32):
+            self.lora_A = nn.Linear(base.in_features, 1, bias=False)
+            self.lora_B = nn.Linear(1, base.out_features, bias=False)
+
+    def forward(self, x):
+        return self.base(x) + self.lora_B(self.lora_A(x.to(self.lora_A.weight.dtype))).to(x.dtype)
+
+
+def _build(config, kind: str, attention: str, lora: bool = False):
     model = build_causal_lm(config, kind=kind, attention=attention)
+    if lora:
+        model.requires_grad_(False)
+        for block in blocks_of(model):
+            for module in list(block.modules()):
+                for name, child in list(module.named_children()):
+                    if isinstance(child, nn.Linear):
+                        setattr(module, name, RankOne(child))
 
     def make(u):
         x = torch.randint(0, config.vocab_size, (1, u))
@@ -117,8 +139,8 @@ def _build(config, kind: str, attention: str):
 def hf_data(config, *, kinds=KINDS, pricings=None, fake: bool = True) -> dict:
     """The planner's data (as ``presets.json`` keeps a model) of a transformers causal LM, measured now."""
     config = hf_config(config)
-    acts = measure_acts(functools.partial(_build, config), transformer=True, fake=fake, kinds=kinds,
-                        pricings=pricings)
+    acts, lora_acts = (measure_acts(functools.partial(_build, config, lora=lora), transformer=True, fake=fake,
+                                    kinds=kinds, pricings=pricings) for lora in (False, True))
     with models.fake_mode():
         model = build_causal_lm(config)
     blocks = blocks_of(model)
@@ -126,7 +148,8 @@ def hf_data(config, *, kinds=KINDS, pricings=None, fake: bool = True) -> dict:
     max_size = getattr(config, "max_position_embeddings", None)
     return {**transformer_data(model, blocks, config.num_hidden_layers, acts, output_per_unit=config.vocab_size,
                                default_size=min(DEFAULT_SIZE, max_size or DEFAULT_SIZE), max_size=max_size),
-            "hidden": config.hidden_size, "tied": tied, "linears": [list(x) for x in block_linears(blocks[0])]}
+            "hidden": config.hidden_size, "tied": tied, "linears": [list(x) for x in block_linears(blocks[0])],
+            "lora_acts": lora_acts}
 
 
 @functools.lru_cache(maxsize=32)

@@ -327,10 +327,12 @@ def predict(model, gpu="RTX 3060 (12 GB)", **settings) -> Plan:
 def _activations(model: ModelSpec, s: Settings) -> dict:
     """Per micro-batch bytes of what forward saves (stem, each block, head), kept, and the loss's temporaries."""
     half, amp = s.precision in ("fp16", "bf16"), s.precision.endswith("_amp")
-    c = model.coeffs(s.device, s.attention, "half" if half else "amp" if amp else "fp32")
+    lora = s.lora_rank is not None
+    c = model.coeffs(s.device, s.attention, "half" if half else "amp" if amp else "fp32", lora)
     B, u, nb = s.micro_batch, _units(model, s.size), model.n_blocks
     adapters = len(targeted(model, s.lora_targets)) if model.linears or s.lora_targets else 4
-    extra = B * u * 4 * adapters * s.lora_rank if s.lora_rank else 0  # each adapter saves x A^T (r fp32 per token)
+    measured = len(model.linears) if lora and model.lora_acts else 0  # rank-1 adapters, measured with frozen weights
+    extra = B * u * 4 * (adapters * s.lora_rank - measured) if lora else 0  # each adapter saves x A^T (r fp32/token)
     a = dict(block=[B * _at(c.block[i], u) + extra for i in range(nb)],
              largest=[B * max(c.largest[i][0] * u, c.largest[i][1] * u * u) for i in range(nb)],
              stem=B * _at(c.stem, u))

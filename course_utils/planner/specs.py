@@ -124,6 +124,7 @@ class ModelSpec:
     hidden: int | None = None  # a transformer's width; None: from GPT-2's and BERT's 12 d**2 + 13 d per block
     tied: bool | None = None  # the head shares the input embedding; None: as GPT-2 (tied if it returns logits)
     linears: tuple = ()  # one block's linear layers (name, in, out): what LoRA targets; (): GPT-2's Conv1D
+    lora_acts: dict | None = None  # as acts, measured with the weights frozen and rank-1 adapters on ``linears``
 
     @property
     def hidden_size(self) -> int:
@@ -142,14 +143,16 @@ class ModelSpec:
     def head_params(self) -> int:
         return self.n_params - sum(self.block_params)
 
-    def coeffs(self, device: str, attention: str, kind: str) -> ActCoeffs:
-        """The coefficients for a device ('cuda' or 'cpu'), an attention ('math' or 'fused') and a kind."""
+    def coeffs(self, device: str, attention: str, kind: str, lora: bool = False) -> ActCoeffs:
+        """The coefficients for a device ('cuda' or 'cpu'), an attention ('math' or 'fused') and a kind; ``lora``:
+        those measured with frozen weights and adapters, where the model has them."""
+        acts = self.lora_acts if lora and self.lora_acts else self.acts
         for key in (f"{device}-{attention}", device, "any"):
-            if key in self.acts:
-                if kind not in self.acts[key]:
-                    raise ValueError(f"{self.name} was measured for {sorted(self.acts[key])} only, not {kind!r}: "
+            if key in acts:
+                if kind not in acts[key]:
+                    raise ValueError(f"{self.name} was measured for {sorted(acts[key])} only, not {kind!r}: "
                                      f"measure it with kinds including {kind!r}, or choose another precision.")
-                return self.acts[key][kind]
+                return acts[key][kind]
         raise ValueError(f"{self.name} was measured for {sorted(self.acts)} only, not for {device} with {attention} "
                          "attention: measure it for that device, or choose another.")
 
@@ -217,14 +220,18 @@ def spec_from_data(name: str, d: dict) -> ModelSpec:
     def pair(x):
         return tuple(map(float, x))
 
-    acts = {pricing: {kind: ActCoeffs(block=per_block(c["block"], pair), boundary=per_block(c["boundary"], float),
-                                      largest=per_block(c["largest"], pair), head=pair(c["head"]),
-                                      stem=pair(c["stem"]), output=pair(c["output"]))
-                      for kind, c in by_kind.items()}
-            for pricing, by_kind in d["acts"].items()}
+    def coeffs(measured):
+        return {pricing: {kind: ActCoeffs(block=per_block(c["block"], pair), boundary=per_block(c["boundary"], float),
+                                          largest=per_block(c["largest"], pair), head=pair(c["head"]),
+                                          stem=pair(c["stem"]), output=pair(c["output"]))
+                          for kind, c in by_kind.items()}
+                for pricing, by_kind in measured.items()}
+
+    acts = coeffs(d["acts"])
     return ModelSpec(name=name, n_params=d["n_params"], block_params=per_block(d["block_params"], int),
                      largest_tensor=d["largest_tensor"], acts=acts, output_per_unit=d["output_per_unit"],
                      fwd_flops_per_unit=d["fwd_flops_per_unit"], unit=d["unit"], ref_size=d.get("ref_size", 1),
                      default_size=d["default_size"], max_size=d.get("max_size"),
                      block_largest=per_block(d["block_largest"], int), hidden=d.get("hidden"), tied=d.get("tied"),
-                     linears=tuple(tuple(x) for x in d.get("linears", ())))
+                     linears=tuple(tuple(x) for x in d.get("linears", ())),
+                     lora_acts=coeffs(d["lora_acts"]) if d.get("lora_acts") else None)

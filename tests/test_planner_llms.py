@@ -1,0 +1,213 @@
+"""The planner for today's open LLMs: the shipped configs (parameter counts as published), predictions in seconds, and
+for a tiny twin of each family (Llama, Qwen2, Mistral, Gemma-2, Phi-3: 2 layers, width 64) the whole optimizer step
+(second step, 2 micro-batches) three ways, as tests/test_protocol.py does for GPT-2: ``planner.predict(hf_spec(cfg),
+device='cpu')``, the same step on fake tensors, and ``memory.measure_memory`` of the real step. Full fine-tuning
+(AdamW), LoRA (peft, rank 8, all linear layers) and QLoRA (peft on bitsandbytes' NF4 layers, on the CPU) agree within
+5%, and the prediction without the setting does not.
+"""
+import contextlib
+import functools
+import math
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from course_utils import memory, models, planner
+from course_utils.planner import llm
+from course_utils.planner.adapters import nf4_bytes
+from test_protocol import ROWS, Host, make_update, print_the_table, whole_step, with_master  # noqa: F401 (the table)
+
+TOLERANCE = 0.05
+pytestmark = [pytest.mark.filterwarnings("ignore:.*FakeTensor.*"),
+              pytest.mark.filterwarnings("ignore:Expected a tensor or a traceable wrapper-subclass"),
+              pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning"),
+              pytest.mark.filterwarnings("ignore::UserWarning")]
+TINY = dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=1024, max_position_embeddings=256, use_cache=False)
+
+
+def twin(family):
+    """A 2-layer, width-64 config of each family, as its large models are shaped (tied or not, biases, head_dim)."""
+    from transformers import Gemma2Config, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config
+
+    return {"llama": lambda: LlamaConfig(**TINY, tie_word_embeddings=False),
+            "qwen2": lambda: Qwen2Config(**TINY, tie_word_embeddings=True),
+            "mistral": lambda: MistralConfig(**TINY, tie_word_embeddings=False, sliding_window=None),
+            "gemma2": lambda: Gemma2Config(**TINY, head_dim=16, tie_word_embeddings=True, sliding_window=16),
+            "phi3": lambda: Phi3Config(**dict(TINY, num_key_value_heads=4), tie_word_embeddings=False,
+                                       pad_token_id=0)}[family]()
+
+
+FAMILIES = ("llama", "qwen2", "mistral", "gemma2", "phi3")
+STEP = dict(micro_batch=4, size=32, accumulation=2)
+
+
+class LoRALinear(nn.Module):
+    """A frozen nn.Linear plus a rank-r update, as peft computes it (``base(x) + B(A(x)) * alpha / r``): peft itself
+    is not built on fake tensors."""
+
+    def __init__(self, base, rank, alpha=16):
+        super().__init__()
+        self.base, self.scale = base.requires_grad_(False), alpha / rank
+        self.lora_A = nn.Linear(base.in_features, rank, bias=False)
+        self.lora_B = nn.Linear(rank, base.out_features, bias=False)
+
+    def forward(self, x):
+        return self.base(x) + self.lora_B(self.lora_A(x)) * self.scale
+
+
+def replace_linears(net, make):
+    """Each linear layer of the decoder blocks replaced by ``make(linear)``."""
+    for block in llm.blocks_of(net):
+        for module in list(block.modules()):
+            for name, child in list(module.named_children()):
+                if isinstance(child, nn.Linear):
+                    setattr(module, name, make(child))
+
+
+def to_nf4(net, double):
+    """The blocks' linear layers as bitsandbytes' Linear4bit (NF4, fp32 compute on the CPU), as transformers'
+    ``BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4')`` makes them; the quantization state (absmax,
+    code maps), which lives outside the parameters, returned as frozen parameters to count with the weights."""
+    import bitsandbytes as bnb
+
+    def quantize(linear):
+        q = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                              compute_dtype=torch.float32, quant_type="nf4", compress_statistics=double)
+        q.load_state_dict(linear.state_dict())
+        return q.to("cpu")  # .to() quantizes
+    replace_linears(net, quantize)
+    state = nn.ParameterList()
+    for m in net.modules():
+        if isinstance(m, bnb.nn.Linear4bit):
+            qs = m.weight.quant_state
+            extra = (qs.offset, qs.state2.absmax, qs.state2.code) if qs.nested else ()
+            state.extend(nn.Parameter(t, requires_grad=False) for t in (qs.absmax, qs.code, *extra))
+    return state
+
+
+def llm_step(host, *, config, micro_batch, size, accumulation=1, precision="fp32", optimizer="adam",
+             checkpointing="none", lora_rank=None, quantize_base=None, peft=True):
+    """The whole optimizer step of a tiny transformers causal LM: ``(step, model, optimizer)``; LoRA by peft (all
+    linear layers of the blocks) or, on fake tensors, by :class:`LoRALinear`; QLoRA on bitsandbytes' NF4 layers."""
+    torch.manual_seed(0)
+    net = llm.build_causal_lm(config, attention="math", n_layers=None,
+                              kind="half" if precision in ("fp16", "bf16") else "fp32")
+    if precision in ("fp16", "bf16"):
+        net = net.to(torch.bfloat16)  # a CPU computes in bf16: fp16's bytes
+    held = None
+    if quantize_base:
+        held = to_nf4(net, quantize_base == "nf4_double")
+    if lora_rank and peft:
+        import peft as peft_lib
+
+        net = peft_lib.get_peft_model(net, peft_lib.LoraConfig(r=lora_rank, lora_alpha=16, lora_dropout=0.0,
+                                                               target_modules="all-linear"))
+    elif lora_rank:
+        net.requires_grad_(False)
+        replace_linears(net, functools.partial(LoRALinear, rank=lora_rank))
+    if checkpointing == "block":
+        net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    x = torch.randint(0, config.vocab_size, (micro_batch, size))
+    params = [p for p in net.parameters() if p.requires_grad]
+    update, opt = make_update(params, host, precision=precision, optimizer=optimizer)
+    step = whole_step(functools.partial(net, input_ids=x, labels=x), update, accumulation=accumulation,
+                      precision=precision)
+    model = with_master(net, opt)
+    return step, (nn.ModuleDict(dict(model=model, held=held)) if held is not None else model), opt
+
+
+def step_peak(fake, **settings):
+    """Peak bytes of the second whole step, on real or fake tensors."""
+    with models.fake_mode() if fake else contextlib.nullcontext():
+        step, model, optimizer = llm_step(Host(fake), peft=not fake, **settings)
+        step()
+        return memory.measure_memory(step, model=model, optimizer=optimizer).peak_bytes
+
+
+@functools.lru_cache(maxsize=None)
+def twin_spec(family):
+    return planner.hf_spec(twin(family), name=f"{family} twin", fake=False)
+
+
+def check(family, name, toggle, without, fake=True, **settings):
+    """The step with ``toggle``: measured, on fake tensors (where they run) and predicted, within 5%; the prediction
+    with ``without`` instead of the toggle more than 5% off the measurement."""
+    spec, config = twin_spec(family), twin(family)
+    measured = step_peak(False, config=config, **toggle, **settings)
+    faked = step_peak(True, config=config, **toggle, **settings) if fake else None
+    on = planner.predict(spec, device="cpu", **toggle, **settings).tensor_peak_bytes
+    off = planner.predict(spec, device="cpu", **without, **settings).tensor_peak_bytes
+    ROWS.append({"setting": f"{family}: {name}", "planner MiB": on / 2**20, "fake MiB": (faked or math.nan) / 2**20,
+                 "measured MiB": measured / 2**20, "planner err %": 100 * (on - measured) / measured,
+                 "fake err %": 100 * ((faked or math.nan) - measured) / measured,
+                 "without it, err %": 100 * (off - measured) / measured})
+    row = ROWS[-1]
+    assert faked is None or abs(faked - measured) <= TOLERANCE * measured, row
+    assert abs(on - measured) <= TOLERANCE * measured, row
+    assert abs(off - measured) > TOLERANCE * measured, ("the setting must matter", row)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_full_fine_tuning_of_each_family(family):
+    check(family, "full fine-tuning, AdamW, 2 micro-batches", dict(accumulation=2), dict(accumulation=1),
+          micro_batch=4, size=32)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_lora_on_all_linear_layers(family):
+    check(family, "LoRA rank 8, all linear layers", dict(lora_rank=8), {}, **STEP)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_qlora_nf4(family):
+    pytest.importorskip("bitsandbytes")
+    check(family, "QLoRA rank 8, NF4", dict(lora_rank=8, quantize_base="nf4"), dict(lora_rank=8), fake=False, **STEP)
+
+
+def test_shipped_configs_have_the_published_parameter_counts():
+    for name, entry in llm.llm_data()["configs"].items():
+        spec = planner.get_model(name)
+        assert spec.n_params == pytest.approx(entry["params"], rel=0.01), name
+        with models.fake_mode():  # every layer built, not extrapolated from two
+            model = llm.build_causal_lm(llm.hf_config(name), n_layers=None)
+        assert sum(p.numel() for p in model.parameters()) == spec.n_params, name
+        assert planner.get_model(entry["repo"]).n_params == spec.n_params
+
+
+def test_an_8b_model_is_planned_in_seconds():
+    start = time.perf_counter()
+    lora = planner.predict("llama-3.1-8b", "T4 (16 GB)", micro_batch=1, size=1024, precision="fp16", lora_rank=16,
+                           checkpointing="block")
+    qlora = planner.predict("meta-llama/Llama-3.1-8B", "T4", micro_batch=1, size=1024, precision="fp16",
+                            lora_rank=16, quantize_base="nf4", checkpointing="block")
+    assert time.perf_counter() - start < 60
+    assert not lora.fits and qlora.fits, (str(lora), str(qlora))
+    # 7 linear layers per block, rank 16: r (in + out) each
+    assert planner.lora_params(planner.get_model("llama-3.1-8b"), 16) == 32 * 16 * (
+        (4096 + 4096) * 2 + (4096 + 1024) * 2 + (4096 + 14336) * 3)
+
+
+def test_nf4_bytes_follow_bitsandbytes_layout():
+    bnb = pytest.importorskip("bitsandbytes")
+    for double in (False, True):
+        q = bnb.nn.Linear4bit(192, 64, bias=False, quant_type="nf4", compress_statistics=double).to("cpu")
+        qs = q.weight.quant_state
+        extra = (qs.offset, qs.state2.absmax, qs.state2.code) if qs.nested else ()
+        assert nf4_bytes(192 * 64, double) == memory.tensor_bytes(q.weight, qs.absmax, qs.code, *extra)
+
+
+def test_settings_say_what_to_change():
+    spec = twin_spec("llama")
+    with pytest.raises(ValueError, match="lora_rank"):
+        planner.make_settings(spec, micro_batch=1, quantize_base="nf4")
+    with pytest.raises(ValueError, match="quantize_base"):
+        planner.make_settings(spec, micro_batch=1, lora_rank=8, quantize_base="int3")
+    with pytest.raises(ValueError, match="match none"):
+        planner.make_settings(spec, micro_batch=1, lora_rank=8, lora_targets=("c_attn",))
+    s = planner.make_settings(spec, micro_batch=1, lora_rank=8, lora_targets=("q_proj", "v_proj"))
+    assert planner.lora_params(spec, 8, s.lora_targets) == 2 * 8 * (64 + 64 + 64 + 32)
+    assert any("QLoRA" in t for t in planner.make_settings(spec, micro_batch=1, lora_rank=8,
+                                                            quantize_base="nf4").techniques())
