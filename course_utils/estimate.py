@@ -117,6 +117,8 @@ def _forward_profile(model: nn.Module, inputs, kwargs) -> dict:
             # backward through a module holds the gradient of its output and makes its inputs'
             segments.append({"saved": 0, "largest": 0, "module": leaf_modules[id(module)], "grad_in": _grad_bytes(args)})
             for p in module.parameters(recurse=False):
+                if id(p) in last_use:  # a tied weight, used again: see the walk below
+                    segments[last_use[id(p)][0]]["reused"] = segments[last_use[id(p)][0]].get("reused", 0) + last_use[id(p)][1]
                 last_use[id(p)] = (len(segments) - 1, p.numel() * p.element_size())
 
     def post_hook(module, args, output):
@@ -166,6 +168,9 @@ def _forward_profile(model: nn.Module, inputs, kwargs) -> dict:
         seg = segments[s]
         temps = (2 * largest_output if s == last else
                  seg["grad_in"] + seg["grad_out"] if "grad_out" in seg else seg["largest"])
+        # a weight used again later in forward (tied embeddings) already has its gradient in backward's buffer
+        # here: this use's contribution and their sum (made out of place) are two more of its size
+        temps += 2 * seg.get("reused", 0)
         if live + grads + temps > peak[0]:
             peak = (live + grads + temps, live, grads, temps)
         live -= segments[s]["saved"]
