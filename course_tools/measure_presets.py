@@ -1,9 +1,11 @@
-"""Regenerate the models in ``course_utils/planner/presets.json``: each preset's parameter counts and activation
-coefficients, measured with the planner's own functions (saved-tensor hooks on fake tensors, see
-``course_utils.planner.measure``). ``tests/test_planner.py`` re-measures a sample and compares it with the file.
+"""Regenerate the models in ``course_utils/planner/presets.json`` and the shipped LLMs' measurements in ``llms.json``:
+each preset's parameter counts and activation coefficients, measured with the planner's own functions (saved-tensor
+hooks on fake tensors, see ``course_utils.planner.measure`` and ``.llm``). ``tests/test_planner.py`` and
+``tests/test_planner_llms.py`` re-measure a sample and compare it with the files.
 
-    python -m course_tools.measure_presets              # every model preset (a few minutes on a CPU)
+    python -m course_tools.measure_presets              # every model preset and LLM (a few minutes on a CPU)
     python -m course_tools.measure_presets gpt2 mlp     # only these
+    python -m course_tools.measure_presets llama-3.1-8b
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from course_utils import models
-from course_utils.planner import measure
+from course_utils.planner import llm, measure
 
 PRESETS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "bert-base", "bert-large", "mlp", "small-cnn", "resnet18",
            "resnet50", "efficientnet_b0")
@@ -120,14 +122,23 @@ def dumps(obj, indent: int = 0) -> str:
 
 
 def main(names=None) -> None:
-    path = resources.files("course_utils.planner").joinpath("presets.json")
-    data = json.loads(path.read_text(encoding="utf-8"))
-    for name in names or PRESETS:
-        print(f"measuring {name} ...", flush=True)
-        data["models"][name] = tidy(measure_spec_data(name))
-    with resources.as_file(path) as file:
-        file.write_text(dumps(data) + "\n", encoding="utf-8")
-    print(f"wrote {path}")
+    names = names or PRESETS + tuple(llm.llm_presets())
+    unknown = [n for n in names if n not in PRESETS and n not in llm.llm_presets()]
+    if unknown:
+        raise SystemExit(f"Unknown presets {unknown}; choose from {PRESETS + tuple(llm.llm_presets())}.")
+    for file_name, key, chosen, measure_one in (
+            ("presets.json", "models", [n for n in names if n in PRESETS], measure_spec_data),
+            ("llms.json", "measured", [n for n in names if n not in PRESETS], llm.hf_data)):
+        if not chosen:
+            continue
+        path = resources.files("course_utils.planner").joinpath(file_name)
+        data = json.loads(path.read_text(encoding="utf-8"))
+        for name in chosen:
+            print(f"measuring {name} ...", flush=True)
+            data[key][name] = tidy(measure_one(name))
+        with resources.as_file(path) as file:
+            file.write_text(dumps(data) + "\n", encoding="utf-8")
+        print(f"wrote {path}")
 
 
 if __name__ == "__main__":

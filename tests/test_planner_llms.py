@@ -211,3 +211,44 @@ def test_settings_say_what_to_change():
     assert planner.lora_params(spec, 8, s.lora_targets) == 2 * 8 * (64 + 64 + 64 + 32)
     assert any("QLoRA" in t for t in planner.make_settings(spec, micro_batch=1, lora_rank=8,
                                                             quantize_base="nf4").techniques())
+
+
+def test_stored_llm_measurements_match_a_fresh_one():
+    """course_tools/measure_presets.py wrote llms.json's measurements; one of them measured again now."""
+    fresh = llm.hf_data("qwen2.5-0.5b", kinds=("half",), pricings=("cuda-fused",))
+    stored = llm.llm_data()["measured"]["qwen2.5-0.5b"]
+    assert {k: fresh[k] for k in ("n_params", "hidden", "tied", "linears")} == {
+        k: stored[k] for k in ("n_params", "hidden", "tied", "linears")}
+    for acts in ("acts", "lora_acts"):
+        for key, value in fresh[acts]["cuda-fused"]["half"].items():
+            a = torch.tensor(value, dtype=torch.float64).flatten()
+            b = torch.tensor(stored[acts]["cuda-fused"]["half"][key], dtype=torch.float64).flatten()
+            assert torch.allclose(a, b, rtol=0.01, atol=1.0), (acts, key, a, b)
+
+
+def test_host_ram_of_the_offloaded_plans():
+    """The CPU keeps the fp32 master weights, their gradients and the optimizer's state; streamed weights keep their
+    16-bit copy there too; 8B parameters make it tens of GiB."""
+    spec = planner.get_model("llama-3.1-8b")
+    n = spec.n_params
+    base = dict(micro_batch=1, size=1024, precision="bf16", checkpointing="block", master_on_cpu=True)
+    assert planner.predict(spec, "4090", **base).host_bytes == 8 * n + 8 * n  # master + grads, AdamW's m and v
+    streamed = planner.predict(spec, "4090", stream_grads=True, stream_weights=True, **base)
+    assert streamed.host_bytes == 16 * n + 2 * n
+    assert streamed.by_category["params"] < 0.2 * 2 * n  # the card keeps the embeddings, the head and 2 blocks
+    rec = planner.cheapest_fit(spec, "T4 (16 GB)", host_gib=200, micro_batch=8, size=1024)
+    assert rec.plan.fits and rec.plan.host_bytes > 8 * n, str(rec)
+
+
+def test_cheapest_fit_offers_qlora_and_the_widget_lists_the_llms():
+    from course_utils.planner import widget
+
+    rec = planner.cheapest_fit("llama-3.1-8b", "RTX 3060 (12 GB)", micro_batch=1, size=512, lora_rank=16)
+    assert rec.plan.fits and rec.plan.settings.quantize_base, str(rec)  # 16-bit weights alone need 15 GiB
+    assert all(rec.notebooks[t] for t in rec.techniques)
+    assert {"Llama-3.1-8B", "Gemma-2-2B", "Phi-3-mini (4k)"} <= set(widget.MODEL_CHOICES)
+    shown = widget.render(model="Llama-3.1-8B", gpu="T4 (16 GB)", micro_batch=1, size=1024, lora_rank=16, qlora=True,
+                          precision="fp16", checkpointing="block", search=False)
+    assert shown.ok and shown.plan.fits and "QLoRA" in " ".join(shown.plan.settings.techniques()), shown.message
+    refused = widget.render(model="Llama-3.1-8B", micro_batch=1, qlora=True, search=False)
+    assert not refused.ok and "lora_rank" in refused.message

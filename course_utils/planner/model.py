@@ -120,8 +120,8 @@ class Settings:
                  "stream weights from CPU": self.stream_weights, "chunked loss": self.chunked_loss,
                  "offload activations": self.offload_activations, "update fused into backward": self.fused_update,
                  f"LoRA adapters (rank {self.lora_rank})": self.lora_rank,
-                 f"QLoRA: frozen weights in 4-bit {self.quantize_base.upper().replace('_', ' ')}"
-                 if self.quantize_base else "": True}
+                 "QLoRA (frozen weights in 4-bit NF4" + (", double quantization)" if self.quantize_base ==
+                                                          "nf4_double" else ")") if self.quantize_base else "": True}
         return out + [name for name, on in flags.items() if on and name]
 
 

@@ -2,7 +2,8 @@
 
 Every combination of smaller micro-batches (more accumulation steps), checkpointing, lower precision, 8-bit Adam, the
 optimizer and fp32 master weights on the CPU, streamed gradients and notebooks 08-09's toggles (offloaded activations,
-chunked loss, the update fused into backward, weights streamed from the CPU) is predicted; of those that fit, the one
+chunked loss, the update fused into backward, weights streamed from the CPU; with LoRA, QLoRA's 4-bit frozen weights)
+is predicted; of those that fit, the one
 with the lowest predicted time per optimizer step wins (ties: fewer techniques). The device, the attention, the loop
 (``keep_outputs``) and the goal (``lora_rank``: adapters or every weight) stay as given.
 """
@@ -54,15 +55,17 @@ def candidate_settings(base: Settings, gpu: GPUSpec, model, optimizers=("adam8bi
         o for o in ((True, False), (True, True)) if o != (base.master_on_cpu, base.stream_grads) and
         (not base.master_on_cpu or o[0]) and (not base.stream_grads or o[1]) and base.lora_rank is None]
     chunked = {base.chunked_loss, bool(model.output_per_unit)}
-    for f, p, o, c, (m, st), off, ch, fu, sw in itertools.product(
+    quantized = {base.quantize_base} | ({"nf4_double"} if base.lora_rank and model.unit == "token" else set())
+    for f, p, o, c, (m, st), off, ch, fu, sw, q in itertools.product(
             splits, precisions, optimizers, ckpts, offloads, {base.offload_activations, True}, chunked,
-            {base.fused_update, True}, {base.stream_weights, True}):
+            {base.fused_update, True}, {base.stream_weights, True}, quantized):
         acc = base.accumulation * f
-        if (fu and (acc > 1 or m)) or (sw and not m) or (o == "adamw_bf16_sr" and (p != "bf16" or m)):
+        if (fu and (acc > 1 or m)) or (sw and not m) or (o == "adamw_bf16_sr" and (p != "bf16" or m)) or (
+                q and p.endswith("_amp")):
             continue  # combinations make_settings refuses
         yield replace(base, micro_batch=base.micro_batch // f, accumulation=acc, precision=p, optimizer=o,
                       checkpointing=c, master_on_cpu=m, stream_grads=st, offload_activations=off, chunked_loss=ch,
-                      fused_update=fu, stream_weights=sw)
+                      fused_update=fu, stream_weights=sw, quantize_base=q)
 
 
 def cheapest_fit(model, gpu="RTX 3060 (12 GB)", *, host_gib=None, optimizers=("adam8bit",),

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..units import GIB, MIB
+from .llm import llm_data
 from .model import Plan, predict
 from .search import cheapest_fit
 from .specs import custom_model, get_model, gpu_presets, presets
@@ -17,7 +18,8 @@ from .specs import custom_model, get_model, gpu_presets, presets
 CUSTOM_MODEL = "custom (parameters + activations)"
 CUSTOM_GPU = "custom GPU (GiB below)"
 LABELS = presets()["labels"]  # per control: what the widget shows -> what predict() takes
-MODEL_LABELS = {key: label for label, key in LABELS["model"].items()}
+MODEL_CHOICES = {**LABELS["model"], **{d["label"]: name for name, d in llm_data()["configs"].items()}}  # + the LLMs
+MODEL_LABELS = {key: label for label, key in MODEL_CHOICES.items()}
 
 
 def plan_frame(plans: dict):
@@ -68,19 +70,20 @@ class RenderResult:
 
 
 def render(*, model="gpt2-xl", gpu="RTX 3060 (12 GB)", custom_gpu_gib=8, custom_params_m=100, custom_act_mib=50,
-           lora_rank=0, search=True, **settings) -> RenderResult:
+           lora_rank=0, qlora=False, search=True, **settings) -> RenderResult:
     """Plan (and search) for ``settings``, the knobs of ``predict`` (or the widget's labels for them); returns a figure
     (closed: the widget shows it as an image), or the message to show instead: it never raises for bad settings.
-    ``lora_rank=0``: every weight trains."""
+    ``lora_rank=0``: every weight trains; ``qlora``: the frozen weights in 4-bit NF4 (with a LoRA rank)."""
     import matplotlib.pyplot as plt
 
     try:
         if model == CUSTOM_MODEL:
             spec = custom_model(int(custom_params_m * 1e6), custom_act_mib * MIB)
         else:
-            spec = get_model(LABELS["model"].get(model, model))
+            spec = get_model(MODEL_CHOICES.get(model, model))
         gpu = custom_gpu_gib if gpu == CUSTOM_GPU else gpu  # get_gpu(GiB) names it "custom GPU (8 GiB)"
         kwargs = {k: LABELS.get(k, {}).get(v, v) for k, v in settings.items()}
+        kwargs["quantize_base"] = "nf4" if qlora else None
         plan = predict(spec, gpu, lora_rank=lora_rank or None, **kwargs)
         rec = None
         lines = [str(plan)]
@@ -124,7 +127,7 @@ def planner_widget():
         return widget(options=options, value=value, description=name, style=style, **kw)
 
     c = dict(
-        model=pick(w.Dropdown, "model", list(LABELS["model"]) + [CUSTOM_MODEL], MODEL_LABELS["gpt2-xl"], layout=layout),
+        model=pick(w.Dropdown, "model", list(MODEL_CHOICES) + [CUSTOM_MODEL], MODEL_LABELS["gpt2-xl"], layout=layout),
         custom_params_m=slider(100, 20000, "params (M)", step=10),
         custom_act_mib=slider(50, 4000, "act. MiB/sample"),
         gpu=pick(w.Dropdown, "GPU", list(gpu_presets()) + [CUSTOM_GPU], "RTX 3060 (12 GB)", layout=layout),
@@ -150,8 +153,8 @@ def planner_widget():
             c["stream_grads"].value = c["stream_weights"].value = False
 
     def on_model(change):  # sensible size for the model family
-        if change["new"] in LABELS["model"]:
-            spec = get_model(LABELS["model"][change["new"]])
+        if change["new"] in MODEL_CHOICES:
+            spec = get_model(MODEL_CHOICES[change["new"]])
             c["size"].max = 1024 if spec.unit == "token" else 512
             c["size"].value = min(spec.default_size, c["size"].max)
 
@@ -166,7 +169,7 @@ def planner_widget():
                   c["checkpointing"], c["optimizer"], c["attention"],
                   w.HBox([c["master_on_cpu"], c["stream_grads"], c["stream_weights"]]),
                   w.HBox([c["offload_activations"], c["chunked_loss"], c["fused_update"]]),
-                  w.HBox([c["lora_rank"], c["search"]]), out])
+                  w.HBox([c["lora_rank"], c["qlora"], c["search"]]), out])
 
     def update():
         result = box.last_result = render(**{k: v.value for k, v in c.items()})
