@@ -233,8 +233,6 @@ def test_the_deepspeed_config_is_what_deepspeed_documents():
         if DeepSpeedConfig is not None:
             parsed = DeepSpeedConfig(config)
             assert parsed.zero_optimization_stage == stage and parsed.gradient_accumulation_steps == 2
-    with pytest.raises(ValueError, match="stage 2 or 3"):
-        export.to_deepspeed(planner.predict(spec("gpt2"), **STEP, master_on_cpu=True), stage=1)
 
 
 # ---------------------------------------------------------------- what an export cannot express
