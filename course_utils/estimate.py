@@ -159,10 +159,10 @@ def _forward_profile(model: nn.Module, inputs, kwargs) -> dict:
     grads_at = [0] * len(segments)
     for seg_index, nbytes in last_use.values():
         grads_at[seg_index] += nbytes
-    # backward starts at the last segment that saved anything (the loss's, or the last module's); the gradient
-    # of the loss's input and of the logits (2 x the largest output) are its temporaries
-    last = max((i for i, seg in enumerate(segments) if seg["saved"]), default=len(segments) - 1)
-    live, grads, peak = saved + output_bytes + unsaved_inputs, sum(grads_at[last + 1:]), (-1, 0, 0, 0)
+    # backward starts after the last module: at the loss (the model's own, or one taken outside it), whose
+    # temporaries are the gradients of its input and of the logits (2 x the largest output); a module's backward
+    # holds the gradient of its output and makes its inputs'; ops between modules, about their largest saved tensor
+    live, grads, peak, last = saved + output_bytes + unsaved_inputs, 0, (-1, 0, 0, 0), len(segments) - 1
     for s in range(last, -1, -1):
         grads += grads_at[s]
         seg = segments[s]
