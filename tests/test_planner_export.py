@@ -5,7 +5,8 @@ model with ``device='cpu'``, as tests/test_protocol.py holds the planner against
 
 - ``to_script``: each script is written to a tmp folder and run in its own process (all at once); it prints the peak
   ``measure_memory`` measured for its last step.
-- ``to_trainer``: a real ``transformers.Trainer`` runs 2 steps (full fine-tuning and peft's LoRA); a callback puts
+- ``to_trainer``: a real ``transformers.Trainer`` runs 2 steps (full fine-tuning, peft's LoRA, QLoRA on
+  bitsandbytes' NF4 layers); a callback puts
   ``measure_memory``'s tracker around the whole second step (``on_step_begin`` to ``on_step_end``: every micro-batch,
   gradient clipping, the optimizer's step).
 - ``to_accelerate_fsdp``: the YAML is read by accelerate's own config loader, then applied with ``fully_shard`` on 2
@@ -126,16 +127,23 @@ class MeasureSecondStep(TrainerCallback):
 
 
 @pytest.mark.parametrize("family,settings", [("gpt2", dict(precision="bf16_amp", checkpointing="block")),
-                                             ("gpt2", dict(lora_rank=8)), ("llama", dict(lora_rank=8))])
+                                             ("gpt2", dict(lora_rank=8)), ("llama", dict(lora_rank=8)),
+                                             ("llama", dict(lora_rank=8, quantize_base="nf4", precision="bf16"))])
 def test_the_trainer_export_runs_the_plans_step(tmp_path, family, settings):
-    from transformers import Trainer
+    from transformers import AutoModelForCausalLM, Trainer
 
     start = time.perf_counter()
     plan = planner.predict(spec(family), keep_outputs=False, **STEP, **settings)  # Trainer's loss frees the logits
-    out = export.to_trainer(plan, "my-model", str(tmp_path), max_steps=2, disable_tqdm=True, logging_strategy="no")
+    out = export.to_trainer(plan, str(tmp_path), str(tmp_path / "out"), max_steps=2, disable_tqdm=True,
+                            logging_strategy="no")
     assert out.args.per_device_train_batch_size == 4 and out.args.gradient_accumulation_steps == 2
     compile(out.script, "train.py", "exec")
     net = build(family)
+    if out.quantization is not None:  # QLoRA: the weights saved, then loaded in NF4 as the exported script loads them
+        net.save_pretrained(tmp_path)
+        net = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=getattr(torch, out.dtype),
+                                                   attn_implementation="eager", quantization_config=out.quantization)
+        assert type(net.model.layers[0].mlp.up_proj).__name__ == "Linear4bit"
     if out.lora is not None:
         import peft
 
