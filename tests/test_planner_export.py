@@ -14,7 +14,8 @@ model with ``device='cpu'``, as tests/test_protocol.py holds the planner against
   accelerators only (on a CPU it falls back to plain data parallelism). Each rank's peak is held against
   ``fsdp_rank_bytes`` (the plan, sharded).
 - ``to_deepspeed``: checked against the keys and types of DeepSpeed's configuration reference ("DeepSpeed Configuration
-  JSON"), and parsed by ``deepspeed.runtime.config.DeepSpeedConfig`` where DeepSpeed imports.
+  JSON"); where DeepSpeed imports (it is no course dependency), parsed by ``deepspeed.runtime.config.DeepSpeedConfig``
+  and run by ``deepspeed.initialize`` on the CPU (1 process, gloo), its second step within 5% of the plan.
 """
 import functools
 import json
@@ -241,6 +242,28 @@ def test_the_deepspeed_config_is_what_deepspeed_documents():
         if DeepSpeedConfig is not None:
             parsed = DeepSpeedConfig(config)
             assert parsed.zero_optimization_stage == stage and parsed.gradient_accumulation_steps == 2
+
+
+DEEPSPEED_RUNS = [("gpt2", dict(checkpointing="block")), ("llama", dict())]  # fp32 AdamW, ZeRO stage 0
+
+
+def test_the_deepspeed_config_runs_where_deepspeed_installs(tmp_path):
+    pytest.importorskip("deepspeed", reason="DeepSpeed is not installed here (no course dependency): its configs are "
+                        "checked against the documented keys only (the test above)")
+    runs = []
+    for i, (family, settings) in enumerate(DEEPSPEED_RUNS):
+        plan = planner.predict(spec(family), keep_outputs=False, **STEP, **settings)  # the loop: loss = engine(...).loss
+        run_dir = tmp_path / f"run{i}"
+        run_dir.mkdir()
+        (run_dir / "ds_config.json").write_text(json.dumps(export.to_deepspeed(plan)))
+        (run_dir / "inputs.json").write_text(json.dumps(dict(config=config(family).to_diff_dict(), size=STEP["size"],
+                                                             checkpointing=settings.get("checkpointing") == "block")))
+        runs.append((family, settings, plan, run_dir))
+    start = time.perf_counter()
+    launch("tests/workers/export_deepspeed.py", *[str(r[-1]) for r in runs], nproc=1, timeout_s=300)
+    for family, settings, plan, run_dir in runs:
+        measured = json.loads((run_dir / "rank0.json").read_text())["peak_bytes"]
+        check("to_deepspeed", family, name(settings), plan.tensor_peak_bytes, measured, time.perf_counter() - start)
 
 
 # ---------------------------------------------------------------- what an export cannot express
