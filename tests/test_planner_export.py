@@ -252,7 +252,7 @@ def test_the_deepspeed_config_runs_where_deepspeed_installs(tmp_path):
                         "checked against the documented keys only (the test above)")
     runs = []
     for i, (family, settings) in enumerate(DEEPSPEED_RUNS):
-        plan = planner.predict(spec(family), keep_outputs=False, **STEP, **settings)  # the loop: loss = engine(...).loss
+        plan = planner.predict(spec(family), keep_outputs=False, **STEP, **settings)  # loss = engine(...).loss
         run_dir = tmp_path / f"run{i}"
         run_dir.mkdir()
         (run_dir / "ds_config.json").write_text(json.dumps(export.to_deepspeed(plan)))
