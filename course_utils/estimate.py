@@ -211,8 +211,9 @@ class MemoryEstimate:
 
 
 def estimate_training_memory(model: nn.Module, *inputs, optimizer: str = "adam", **kwargs) -> MemoryEstimate:
-    """Predict the peak of one training step of ``model`` on ``inputs``: the larger of backward's start (state +
-    activations + 2 x the largest output) and the optimizer step (state + grads + step scratch)."""
+    """Predict the peak of one training step of ``model`` on ``inputs`` (kwargs go to the model: labels, so that it
+    computes its loss, as it trains): the state plus the larger of backward's highest point (a walk back through
+    what one forward pass saved; the step holds the outputs) and the optimizer step (grads + step scratch)."""
     opt = normalize_optimizer(optimizer)
     profile = _forward_profile(model, inputs, kwargs)
     params = list(model.parameters())

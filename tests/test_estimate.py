@@ -128,7 +128,7 @@ CASES = [  # name, build, batch of b, batch sizes
     ("qwen2", _hf("Qwen2Config"), _lm_batch, (2, 8)),
     ("mistral", _hf("MistralConfig"), _lm_batch, (2, 8)),
     ("gemma2", _hf("Gemma2Config", head_dim=16), _lm_batch, (2, 8)),  # logit soft-capping, tied embeddings
-    ("phi3", _hf("Phi3Config", pad_token_id=0), _lm_batch, (2, 8)),
+    ("phi3", _hf("Phi3Config", pad_token_id=0, bos_token_id=0, eos_token_id=0), _lm_batch, (2, 8)),
 ]
 
 
@@ -193,6 +193,58 @@ def test_estimate_within_2_percent_of_measurement(name, build, make_batch, batch
 def test_bad_input(call, error, match):
     with pytest.raises(error, match=match):
         call()
+
+
+def test_activation_bytes_count_what_the_output_holds():
+    # a returned key/value cache is an object holding tensors: they stay alive as long as the step holds the output
+    class Cache:
+        def __init__(self, keys):
+            self.layers = [{"keys": keys}]
+
+    class WithCache(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(16, 8)
+
+        def forward(self, x):
+            return {"out": self.lin(x), "cache": Cache(x * 2)}
+
+    x = torch.randn(4, 16)
+    # Linear saves its input; the output and the cache's keys are held by the step
+    assert estimate.activation_bytes(WithCache(), x) == 4 * 16 * 4 + 4 * 8 * 4 + 4 * 16 * 4
+
+
+def test_a_tied_weight_adds_its_gradient_twice_where_it_is_used_again():
+    class Tied(nn.Module):  # an embedding and an output layer sharing one weight, as T5, BART and GPT-2 do
+        def __init__(self):
+            super().__init__()
+            self.emb, self.head = nn.Embedding(1000, 32), nn.Linear(32, 1000, bias=False)
+            self.head.weight = self.emb.weight
+
+        def forward(self, ids):
+            return self.head(self.emb(ids))
+
+    ids, tied, untied = torch.randint(0, 1000, (2, 3)), Tied(), Tied()
+    untied.head.weight = nn.Parameter(untied.emb.weight.detach().clone())
+    weight = 1000 * 32 * 4
+    for model in (tied, untied):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+        def step():
+            logits = model(ids.clone())
+            nn.functional.cross_entropy(logits.reshape(-1, 1000), torch.zeros(6, dtype=torch.long)).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        step()
+        measured = measure_memory(step, model=model, optimizer=opt)
+        predicted = estimate.estimate_training_memory(model, ids, optimizer="sgd")
+        assert abs(predicted.peak_bytes - measured.peak_bytes) <= 0.01 * measured.peak_bytes
+    # the tied weight counts once, and backward's buffer holds the head's gradient when the embedding adds its own:
+    # two more of the weight's size there
+    assert predicted.by_category["params"] == 2 * weight  # the untied model, measured last
+    by_category = estimate.estimate_training_memory(tied, ids, optimizer="sgd").by_category
+    assert by_category["params"] == weight and by_category["other"] >= 2 * weight > predicted.by_category["other"]
 
 
 def test_activation_bytes_work_on_fake_tensors():
