@@ -17,12 +17,14 @@ from torch import nn
 from course_utils import memory, models, planner
 from course_utils.planner import llm
 from course_utils.planner.adapters import nf4_bytes
-from test_protocol import ROWS, Host, make_update, print_the_table, whole_step, with_master  # noqa: F401 (the table)
+from test_protocol import (ROWS, Host, make_update, offload_hooks, print_the_table,  # noqa: F401 (the table)
+                           whole_step, with_master)
 
 TOLERANCE = 0.05
 pytestmark = [pytest.mark.filterwarnings("ignore:.*FakeTensor.*"),
               pytest.mark.filterwarnings("ignore:Expected a tensor or a traceable wrapper-subclass"),
               pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning"),
+              pytest.mark.filterwarnings("ignore:.*gradient_checkpointing_enable.*:FutureWarning"),
               pytest.mark.filterwarnings("ignore::UserWarning")]
 TINY = dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=1024, max_position_embeddings=256, use_cache=False)
@@ -89,14 +91,14 @@ def to_nf4(net, double):
 
 
 def llm_step(host, *, config, micro_batch, size, accumulation=1, precision="fp32", optimizer="adam",
-             checkpointing="none", lora_rank=None, quantize_base=None, peft=True):
+             checkpointing="none", lora_rank=None, quantize_base=None, peft=True, master_on_cpu=False,
+             stream_grads=False, fused_update=False, offload_activations=False):
     """The whole optimizer step of a tiny transformers causal LM: ``(step, model, optimizer)``; LoRA by peft (all
     linear layers of the blocks) or, on fake tensors, by :class:`LoRALinear`; QLoRA on bitsandbytes' NF4 layers."""
     torch.manual_seed(0)
+    # a CPU computes in bf16: fp16's bytes
     net = llm.build_causal_lm(config, attention="math", n_layers=None,
-                              kind="half" if precision in ("fp16", "bf16") else "fp32")
-    if precision in ("fp16", "bf16"):
-        net = net.to(torch.bfloat16)  # a CPU computes in bf16: fp16's bytes
+                              dtype=torch.bfloat16 if precision in ("fp16", "bf16") else torch.float32)
     held = None
     if quantize_base:
         held = to_nf4(net, quantize_base == "nf4_double")
@@ -112,9 +114,10 @@ def llm_step(host, *, config, micro_batch, size, accumulation=1, precision="fp32
         net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     x = torch.randint(0, config.vocab_size, (micro_batch, size))
     params = [p for p in net.parameters() if p.requires_grad]
-    update, opt = make_update(params, host, precision=precision, optimizer=optimizer)
+    update, opt = make_update(params, host, precision=precision, optimizer=optimizer, master_on_cpu=master_on_cpu,
+                              stream_grads=stream_grads, fused_update=fused_update)
     step = whole_step(functools.partial(net, input_ids=x, labels=x), update, accumulation=accumulation,
-                      precision=precision)
+                      precision=precision, offload=offload_hooks(net, host) if offload_activations else None)
     model = with_master(net, opt)
     return step, (nn.ModuleDict(dict(model=model, held=held)) if held is not None else model), opt
 
@@ -154,6 +157,23 @@ def check(family, name, toggle, without, fake=True, **settings):
 def test_full_fine_tuning_of_each_family(family):
     check(family, "full fine-tuning, AdamW, 2 micro-batches", dict(accumulation=2), dict(accumulation=1),
           micro_batch=4, size=32)
+
+
+@pytest.mark.parametrize("family,name,toggle,rest", [
+    ("llama", "checkpointing per block", dict(checkpointing="block"), STEP),
+    ("gemma2", "pure bf16, fp32 master weights", dict(precision="bf16"), STEP),
+    pytest.param("llama", "bf16 autocast (AMP)", dict(precision="bf16_amp"), STEP, marks=pytest.mark.slow),
+    pytest.param("phi3", "8-bit Adam", dict(optimizer="adam8bit"), STEP, marks=pytest.mark.slow),
+    pytest.param("qwen2", "fp32 master + Adam on the CPU", dict(master_on_cpu=True), dict(STEP, precision="bf16"),
+                 marks=pytest.mark.slow),
+    pytest.param("mistral", "gradients streamed to the CPU", dict(stream_grads=True),
+                 dict(STEP, precision="bf16", master_on_cpu=True), marks=pytest.mark.slow),
+    pytest.param("gemma2", "activations offloaded", dict(offload_activations=True), STEP, marks=pytest.mark.slow),
+    pytest.param("llama", "update fused into backward", dict(fused_update=True), dict(micro_batch=1, size=16),
+                 marks=pytest.mark.slow),
+])
+def test_full_fine_tuning_settings(family, name, toggle, rest):
+    check(family, name, toggle, {}, **rest)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

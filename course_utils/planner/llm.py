@@ -22,6 +22,9 @@ from .measure import KINDS, measure_acts, transformer_data
 from .specs import ModelSpec, spec_from_data
 
 DEFAULT_SIZE = 1024  # the sequence length a plan uses unless told
+# samples per measured forward: with one, a reshape of a sliced fused projection (Phi-3's qkv) stays a view and
+# autograd's saved slice keeps the whole fused output alive; with two it is a copy of the slice, as in training
+BATCH = 2
 
 
 @functools.lru_cache(maxsize=1)
@@ -68,9 +71,10 @@ def hf_config(config):
     return AutoConfig.for_model(model_type, **values)
 
 
-def build_causal_lm(config, *, kind: str = "fp32", attention: str = "math", n_layers: int | None = 2) -> nn.Module:
+def build_causal_lm(config, *, kind: str = "fp32", attention: str = "math", n_layers: int | None = 2,
+                    dtype=None) -> nn.Module:
     """``AutoModelForCausalLM.from_config`` of ``config`` (a PretrainedConfig) with ``n_layers`` layers (None: as
-    configured), weights in fp16 for ``kind='half'``, ``attention`` 'math' (eager) or 'fused' (sdpa; eager for a
+    configured), weights in ``dtype`` (default fp16 for ``kind='half'``, else fp32), ``attention`` 'math' (eager) or 'fused' (sdpa; eager for a
     model transformers gives no SDPA path, such as Gemma-2), no KV cache."""
     from transformers import AutoModelForCausalLM
 
@@ -80,7 +84,7 @@ def build_causal_lm(config, *, kind: str = "fp32", attention: str = "math", n_la
         if getattr(config, "layer_types", None) is not None:
             config.layer_types = config.layer_types[:n_layers]
     config.use_cache = False
-    with models.default_dtype(torch.float16 if kind == "half" else torch.float32):
+    with models.default_dtype(dtype or (torch.float16 if kind == "half" else torch.float32)):
         try:
             model = AutoModelForCausalLM.from_config(config, attn_implementation=models.ATTENTION[attention])
         except ValueError:  # no SDPA path (Gemma-2's soft-capped logits): transformers trains it with eager
@@ -131,7 +135,7 @@ def _build(config, kind: str, attention: str, lora: bool = False):
                         setattr(module, name, RankOne(child))
 
     def make(u):
-        x = torch.randint(0, config.vocab_size, (1, u))
+        x = torch.randint(0, config.vocab_size, (BATCH, u))
         return (), {"input_ids": x, "labels": x}
     return model, blocks_of(model), make
 
@@ -139,8 +143,8 @@ def _build(config, kind: str, attention: str, lora: bool = False):
 def hf_data(config, *, kinds=KINDS, pricings=None, fake: bool = True) -> dict:
     """The planner's data (as ``presets.json`` keeps a model) of a transformers causal LM, measured now."""
     config = hf_config(config)
-    acts, lora_acts = (measure_acts(functools.partial(_build, config, lora=lora), transformer=True, fake=fake,
-                                    kinds=kinds, pricings=pricings) for lora in (False, True))
+    acts, lora_acts = (_per_sample(measure_acts(functools.partial(_build, config, lora=lora), transformer=True,
+                                                fake=fake, kinds=kinds, pricings=pricings)) for lora in (False, True))
     with models.fake_mode():
         model = build_causal_lm(config)
     blocks = blocks_of(model)
@@ -150,6 +154,15 @@ def hf_data(config, *, kinds=KINDS, pricings=None, fake: bool = True) -> dict:
                                default_size=min(DEFAULT_SIZE, max_size or DEFAULT_SIZE), max_size=max_size),
             "hidden": config.hidden_size, "tied": tied, "linears": [list(x) for x in block_linears(blocks[0])],
             "lora_acts": lora_acts}
+
+
+def _per_sample(measured):
+    """Coefficients measured on BATCH samples, per sample."""
+    if isinstance(measured, dict):
+        return {k: _per_sample(v) for k, v in measured.items()}
+    if isinstance(measured, (list, tuple)):
+        return [_per_sample(x) for x in measured]
+    return measured / BATCH
 
 
 @functools.lru_cache(maxsize=32)

@@ -345,6 +345,9 @@ def _activations(model: ModelSpec, s: Settings) -> dict:
         a["loss"] = max(chunk * vocab * ((2 if half or amp else 4) + 4 + 8), 2 * head_grad) + head_grad
     else:
         a["head"] = B * (_at(c.head, u) + (_at(c.output, u) if s.keep_outputs else 0.0))
+        # offloaded, the head's saved tensors come back one at a time: at most the fp32 logits (Gemma-2's soft-capped
+        # logits save three of them)
+        a["head_back"] = min(a["head"], a["head"] - B * _at(c.head, u) + B * 4 * vocab * u) if vocab else a["head"]
         a["loss"] = B * 8 * vocab * u  # d(loss)/d(logits) in fp32, twice
     size_seg = math.ceil(nb / math.ceil(math.sqrt(nb))) if s.checkpointing == "sqrt" else 1
     a["segments"] = [list(range(i, min(nb, i + size_seg))) for i in range(0, nb, size_seg)]
@@ -396,7 +399,8 @@ def predict_settings(model: ModelSpec, gpu: GPUSpec, s: Settings) -> Plan:
     kept = [0.0] * nb if off else a["kept"]
     grads_before = 0 if (s.stream_grads or s.accumulation == 1) else g_all
 
-    phases = {"at the start of backward": dict(grads=grads_before, activations=stem + a["head"] + sum(kept),
+    head = a.get("head_back", a["head"]) if off else a["head"]
+    phases = {"at the start of backward": dict(grads=grads_before, activations=stem + head + sum(kept),
                                                other=a["loss"] + weight_copies)}
     done_grads = g_head if not s.stream_grads else 0
     candidates = []
@@ -421,9 +425,11 @@ def predict_settings(model: ModelSpec, gpu: GPUSpec, s: Settings) -> Plan:
             if not s.stream_grads:
                 done_grads += grads_of[i]
     phases["in backward"] = max(candidates, key=lambda c: sum(c.values()))
-    if s.fused_update:  # the largest tensor steps last (GPT-2's tied embedding) or in its block
-        biggest = max(tied // w if tied else 0, max(g_one) // gw)
-        phases["stepping the largest tensor"] = dict(grads=biggest * gw, activations=stem,
+    if s.fused_update:  # the largest tensor steps last (GPT-2's tied embedding), first (an untied head, while every
+        # block's activations wait for backward) or in its block
+        biggest = max(0 if lora else model.largest_tensor, max(g_one) // gw)
+        first = model.output_per_unit and not model.tied_head and not lora
+        phases["stepping the largest tensor"] = dict(grads=biggest * gw, activations=stem + sum(kept) * bool(first),
                                                      other=per_tensor_scratch * biggest)
     elif not s.stream_grads:  # Adam's fp32 scratch: foreach on CUDA a copy of the model, on a CPU 2 x a tensor's
         scratch = 4 * n_train if s.device == "cuda" else 8 * (adapter if lora else model.largest_tensor)
