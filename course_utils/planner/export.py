@@ -127,7 +127,7 @@ def to_accelerate_fsdp(plan: Plan, num_processes: int = 2) -> dict:
 
 
 def fsdp_rank_bytes(plan: Plan, world_size: int = 2) -> int:
-    """The plan's tensor peak on one of ``world_size`` FSDP2 ranks (no offload), each on its micro-batches: the state
+    """The fp32 plan's tensor peak on one of ``world_size`` FSDP2 ranks (no offload, no mixed precision): the state
     sharded, plus what FSDP gathers (the root's and one block's parameters) and that block's unreduced gradient."""
     by, m, w = plan.by_category, plan.model, 2 if plan.settings.precision in ("fp16", "bf16") else 4
     sharded = (by["params"] + by["grads"] + by["optimizer"]) * (1 - 1 / world_size)
