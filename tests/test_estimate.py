@@ -156,10 +156,12 @@ def _measure_step(model, opt, batch):
     return measure_memory(step, model=model, optimizer=opt)
 
 
+# MemTracker's module tracker warns when a model it hooked for an earlier batch has been freed: harmless
+@pytest.mark.filterwarnings("ignore:Module is None:UserWarning")
 @pytest.mark.parametrize("optimizer", ["sgd", "adam", "adam8bit"])
 @pytest.mark.parametrize("name, build, make_batch, batches", CASES, ids=[c[0] for c in CASES])
 def test_estimate_within_2_percent_of_measurement(name, build, make_batch, batches, optimizer):
-    for batch_size in batches if optimizer == "adam" else batches[-1:]:  # the state moves the peak the same way
+    for batch_size in batches:
         torch.manual_seed(0)
         model = build()
         batch = make_batch(batch_size)
