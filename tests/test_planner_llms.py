@@ -231,6 +231,10 @@ def test_settings_say_what_to_change():
     assert planner.lora_params(spec, 8, s.lora_targets) == 2 * 8 * (64 + 64 + 64 + 32)
     assert any("QLoRA" in t for t in planner.make_settings(spec, micro_batch=1, lora_rank=8,
                                                             quantize_base="nf4").techniques())
+    with pytest.raises(ValueError, match="transformers of GPT-2's and BERT's shapes"):
+        planner.make_settings(spec, micro_batch=1, optimizer="galore")
+    with pytest.raises(ValueError, match="compute dtype"):
+        planner.make_settings(spec, micro_batch=1, lora_rank=8, quantize_base="nf4", precision="bf16_amp")
 
 
 def test_stored_llm_measurements_match_a_fresh_one():

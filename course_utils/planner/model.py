@@ -145,9 +145,9 @@ def optimizer_state(model: ModelSpec, optimizer: str) -> int:
     it: Adafactor a row and a column mean per matrix; Lion m; Adam-mini m and one v per row (embeddings, MLP), per
     bias value or per other tensor; GaLore and APOLLO (rank d/4) m, v of the projected matrices and the projection
     (GaLore's a view of the SVD's factor: d^2 values), AdamW elsewhere; bf16 AdamW + SR m, v in bf16."""
-    if model.unit != "token":
-        raise ValueError(f"optimizer={optimizer!r} is priced for transformers (GPT-2, BERT); {model.name} is not one: "
-                         "choose 'adam', 'adamw', 'adam8bit' or 'sgd'.")
+    if model.unit != "token" or model.linears:
+        raise ValueError(f"optimizer={optimizer!r} is priced for transformers of GPT-2's and BERT's "
+                         f"shapes; {model.name} is not one: choose 'adam', 'adamw', 'adam8bit' or 'sgd'.")
     d, n, nb = model.hidden_size, model.n_params, model.n_blocks
     mats, vec, r, rows = ((d, 3 * d), (d, d), (d, 4 * d), (4 * d, d)), 13 * d, d // 4, model.head_params // d
     per_block = {"adafactor": 4 * sum(a + b for a, b in mats) + 4 * vec + 48,

@@ -49,7 +49,7 @@ def candidate_settings(base: Settings, gpu: GPUSpec, model, optimizers=("adam8bi
         if base.precision == "fp32" or (base.precision.endswith("_amp") and p in ("fp16", "bf16")):
             precisions.append(p)
     optimizers = [base.optimizer] + [o for o in optimizers if base.optimizer in ("adam", "adamw") and (
-        o not in BEYOND_ADAM or (model.unit == "token" and base.lora_rank is None))]
+        o not in BEYOND_ADAM or (model.unit == "token" and not model.linears and base.lora_rank is None))]
     ckpts = [base.checkpointing] if base.checkpointing != "none" else list(CHECKPOINTING)
     offloads = [(base.master_on_cpu, base.stream_grads)] + [
         o for o in ((True, False), (True, True)) if o != (base.master_on_cpu, base.stream_grads) and
