@@ -93,6 +93,14 @@ SCRIPTS = [("gpt2", dict(precision="bf16_amp", checkpointing="block")),
 
 
 def test_the_plain_loop_script_runs_the_plans_step(tmp_path):
+    # beside them, the script to_trainer writes for a learner, on a tiny GPT-2 saved here (LoRA, 2 steps)
+    build("gpt2").save_pretrained(tmp_path / "model")
+    plan = planner.predict(spec("gpt2"), **STEP, lora_rank=8)
+    trainer_script = tmp_path / "train.py"
+    trainer_script.write_text(export.to_trainer(plan, str(tmp_path / "model"), str(tmp_path / "out"), max_steps=2,
+                                                logging_steps=1).script)
+    trainer = subprocess.Popen([sys.executable, str(trainer_script)], stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
     runs = []
     for i, (family, settings) in enumerate(SCRIPTS):
         plan = planner.predict(spec(family), **STEP, **settings)
@@ -106,6 +114,8 @@ def test_the_plain_loop_script_runs_the_plans_step(tmp_path):
         assert proc.returncode == 0, out[-3000:]
         measured = int(out.split("measured peak: ")[1].split(" bytes")[0])
         check("to_script", family, name(settings), plan.tensor_peak_bytes, measured, time.perf_counter() - start)
+    out, _ = trainer.communicate(timeout=300)
+    assert trainer.returncode == 0 and out.count("'loss'") == 2, out[-3000:]  # a loss logged at each of 2 steps
 
 
 # ---------------------------------------------------------------- transformers' Trainer (+ peft)
