@@ -106,7 +106,7 @@ def _forward_profile(model: nn.Module, inputs, kwargs) -> dict:
         raise TypeError(f"Expected a torch.nn.Module, not {type(model).__name__}.")
     if not inputs and not kwargs:
         raise ValueError("Pass an example input, e.g. activation_bytes(model, torch.randn(8, 1, 28, 28)).")
-    params, seen, last_use = {storage_key(p) for p in model.parameters()}, set(), {}
+    params, seen, last_use = {storage_key(p) for p in model.parameters()}, {}, {}  # seen: storage -> segment
     leaf_modules = {id(m): name for name, m in model.named_modules() if not list(m.children())}
     # each call of a leaf module opens a segment, and its return another (same name: ops outside modules join the
     # module called last), so that backward reaches the ops after a module (the loss) before the module's weights
@@ -127,8 +127,8 @@ def _forward_profile(model: nn.Module, inputs, kwargs) -> dict:
             segments.append({"saved": 0, "largest": 0, "module": leaf_modules[id(module)]})
 
     def pack(t: torch.Tensor):
-        if storage_key(t) not in params | seen:
-            seen.add(storage_key(t))
+        if storage_key(t) not in params and storage_key(t) not in seen:
+            seen[storage_key(t)] = len(segments) - 1
             segments[-1]["saved"] += t.untyped_storage().nbytes()
             segments[-1]["largest"] = max(segments[-1]["largest"], t.untyped_storage().nbytes())
         return t
@@ -144,10 +144,14 @@ def _forward_profile(model: nn.Module, inputs, kwargs) -> dict:
         for handle in handles:
             handle.remove()
         model.train(was_training)
-    # the outputs the training step holds (logits, loss), each storage once and not again if autograd saved it
-    outs = {storage_key(t): t.untyped_storage().nbytes() for t in _held_tensors(out)}
+    # the outputs the training step holds (logits, loss, a cache), each storage once and not again if autograd saved it
+    held = list(_held_tensors(out))
+    outs = {storage_key(t): t.untyped_storage().nbytes() for t in held}
     del out
     output_bytes = sum(v for k, v in outs.items() if k not in seen)
+    for k, v in outs.items():  # saved and returned (a cache's keys and values): not freed by backward
+        if k in seen:
+            segments[seen[k]]["kept"] = segments[seen[k]].get("kept", 0) + v
     largest_output = max(outs.values(), default=0)
     # the batch the step holds: what autograd did not save of it (labels, masks) is alive too
     in_tensors = list(iter_tensors((inputs, kwargs)))
@@ -173,12 +177,13 @@ def _forward_profile(model: nn.Module, inputs, kwargs) -> dict:
         temps += 2 * seg.get("reused", 0)
         if live + grads + temps > peak[0]:
             peak = (live + grads + temps, live, grads, temps)
-        live -= segments[s]["saved"]
+        live -= seg["saved"] - seg.get("kept", 0)
     by_module: dict[str, int] = {}
     for seg in segments:
         if seg["saved"]:
             by_module[seg["module"]] = by_module.get(seg["module"], 0) + seg["saved"]
-    return {"activations": saved + output_bytes, "inputs": tensor_bytes(*in_tensors) if in_tensors else 0,
+    # what is left of the forward pass in optimizer.step(): the batch and the outputs, still held by the step
+    return {"activations": saved + output_bytes, "held": tensor_bytes(*in_tensors, *held) if in_tensors + held else 0,
             "backward_peak": peak, "by_module": by_module}
 
 
@@ -227,11 +232,11 @@ def estimate_training_memory(model: nn.Module, *inputs, optimizer: str = "adam",
     scratch = (n if on_cuda else 2 * max(sizes)) * params[0].element_size() if opt in ("adam", "adamw") else 0
     # backward's highest point: activations not yet freed + gradients made so far + temporaries
     total, live, grads, temps = profile["backward_peak"]
-    step_transient = state.grads + scratch + profile["inputs"]
+    step_transient = state.grads + scratch + profile["held"]
     if total >= step_transient:
         activations, other, where = live, temps, "during backward"
     else:
-        grads, activations, other, where = state.grads, profile["inputs"], scratch, "in optimizer.step()"
+        grads, activations, other, where = state.grads, profile["held"], scratch, "in optimizer.step()"
     by_category = dict(zip(CATEGORIES, (state.params, grads, state.optimizer, activations, other)))
     return MemoryEstimate(by_category=by_category, n_params=n,
                           notes=[f"peak predicted {where}; activations measured from one forward pass"])
