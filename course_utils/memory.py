@@ -48,7 +48,8 @@ def tensor_bytes(*tensors: torch.Tensor) -> int:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"tensor_bytes takes tensors, not {type(t).__name__}.")
         if is_traceable_wrapper_subclass(t):
-            tensors += [getattr(t, name) for name in t.__tensor_flatten__()[0]]
+            inner = (getattr(t, name) for name in t.__tensor_flatten__()[0])  # FSDP2's may name its device mesh
+            tensors += [x for x in inner if isinstance(x, torch.Tensor)]
             continue
         key = storage_key(t)
         if key not in seen:

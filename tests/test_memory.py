@@ -121,6 +121,32 @@ def test_tensor_bytes_counts_shared_storage_once():
         tensor_bytes([1, 2])
 
 
+class _Wrapped(torch.Tensor):
+    """A wrapper subclass whose flattening names a tensor and a non-tensor (as FSDP2's sharded parameters name their
+    device mesh)."""
+
+    @staticmethod
+    def __new__(cls, inner, note):
+        out = torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype)
+        out.inner, out.note = inner, note
+        return out
+
+    def __tensor_flatten__(self):
+        return ["inner", "note"], None
+
+    @staticmethod
+    def __tensor_unflatten__(inner_tensors, meta, outer_size, outer_stride):
+        return _Wrapped(inner_tensors["inner"], "unflattened")
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise NotImplementedError
+
+
+def test_tensor_bytes_counts_a_wrappers_inner_tensors_and_skips_what_is_not_a_tensor():
+    assert tensor_bytes(_Wrapped(torch.empty(10), note="a device mesh")) == 40
+
+
 def test_format_bytes():
     assert format_bytes(512) == "512 B"
     assert format_bytes(1536) == "1.50 KiB"
