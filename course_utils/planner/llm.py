@@ -74,8 +74,8 @@ def hf_config(config):
 def build_causal_lm(config, *, kind: str = "fp32", attention: str = "math", n_layers: int | None = 2,
                     dtype=None) -> nn.Module:
     """``AutoModelForCausalLM.from_config`` of ``config`` (a PretrainedConfig) with ``n_layers`` layers (None: as
-    configured), weights in ``dtype`` (default fp16 for ``kind='half'``, else fp32), ``attention`` 'math' (eager) or 'fused' (sdpa; eager for a
-    model transformers gives no SDPA path, such as Gemma-2), no KV cache."""
+    configured), weights in ``dtype`` (default fp16 for ``kind='half'``, else fp32), ``attention`` 'math' (eager) or
+    'fused' (sdpa; eager for a model transformers gives no SDPA path, such as Gemma-2), no KV cache."""
     from transformers import AutoModelForCausalLM
 
     config = copy.deepcopy(config)
