@@ -115,10 +115,12 @@ def _forward_profile(model: nn.Module, inputs, kwargs) -> dict:
     def pre_hook(module, args):
         if id(module) in leaf_modules:
             # backward through a module holds the gradient of its output and makes its inputs'
-            segments.append({"saved": 0, "largest": 0, "module": leaf_modules[id(module)], "grad_in": _grad_bytes(args)})
+            segments.append({"saved": 0, "largest": 0, "module": leaf_modules[id(module)],
+                             "grad_in": _grad_bytes(args)})
             for p in module.parameters(recurse=False):
                 if id(p) in last_use:  # a tied weight, used again: see the walk below
-                    segments[last_use[id(p)][0]]["reused"] = segments[last_use[id(p)][0]].get("reused", 0) + last_use[id(p)][1]
+                    earlier, nbytes = last_use[id(p)]
+                    segments[earlier]["reused"] = segments[earlier].get("reused", 0) + nbytes
                 last_use[id(p)] = (len(segments) - 1, p.numel() * p.element_size())
 
     def post_hook(module, args, output):

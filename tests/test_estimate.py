@@ -172,7 +172,8 @@ def test_estimate_within_2_percent_of_measurement(name, build, make_batch, batch
         table = "\n".join(f"  {c:<12} {predicted.by_category[c]:>12,} {measured.by_category[c]:>12,}"
                           for c in measured.by_category)
         assert abs(error) <= 0.02, (f"{name}, {optimizer}, batch {batch_size}: predicted {predicted.peak_bytes:,} B, "
-                                    f"measured {measured.peak_bytes:,} B ({error:+.1%}); predicted vs measured:\n{table}")
+                                    f"measured {measured.peak_bytes:,} B ({error:+.1%}); predicted vs measured:"
+                                    f"\n{table}")
 
 
 @pytest.mark.parametrize(
