@@ -124,8 +124,30 @@ class RankOne(nn.Module):
         return self.base(x) + self.lora_B(self.lora_A(x.to(self.lora_A.weight.dtype))).to(x.dtype)
 
 
+def _flash_gqa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """transformers' SDPA attention on (fake) CUDA tensors as a GPU runs a batch without padding: in fp16/bf16 the
+    flash kernel, given the grouped key and value heads as they are (for fake tensors transformers builds a mask, and
+    with it repeats them); in fp32 the memory-efficient kernel, with them repeated for every query head. Under
+    autocast the kernel's inputs are cast to its dtype, as autocast casts SDPA's."""
+    if torch.is_autocast_enabled("cuda"):
+        query, key, value = (x.to(torch.get_autocast_dtype("cuda")) for x in (query, key, value))
+    if query.dtype in (torch.float16, torch.bfloat16):
+        out = torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, dropout, True, False,
+                                                                 scale=scaling)[0]
+    else:
+        key, value = (x.repeat_interleave(query.shape[1] // key.shape[1], dim=1) for x in (key, value))
+        out = nn.functional.scaled_dot_product_attention(query, key, value, dropout_p=dropout, is_causal=True,
+                                                         scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
 def _build(config, kind: str, attention: str, lora: bool = False):
+    from transformers import AttentionInterface
+
     model = build_causal_lm(config, kind=kind, attention=attention)
+    if model.config._attn_implementation == "sdpa":  # only 'cuda-fused' asks for it: the kernel a GPU runs
+        AttentionInterface.register("course_flash_gqa", _flash_gqa)
+        model.config._attn_implementation = "course_flash_gqa"
     if lora:
         model.requires_grad_(False)
         for block in blocks_of(model):
