@@ -280,3 +280,18 @@ def test_cheapest_fit_offers_qlora_and_the_widget_lists_the_llms():
     assert shown.ok and shown.plan.fits and "QLoRA" in " ".join(shown.plan.settings.techniques()), shown.message
     refused = widget.render(model="Llama-3.1-8B", micro_batch=1, qlora=True, search=False)
     assert not refused.ok and "lora_rank" in refused.message
+
+
+def test_hf_spec_reads_a_config_json_a_dict_or_a_config(tmp_path):
+    config = twin("qwen2")
+    path = tmp_path / "config.json"
+    config.to_json_file(path)
+    spec = planner.hf_spec(str(path), fake=False, kinds=("fp32",), pricings=("cpu",))
+    built = llm.build_causal_lm(config)
+    assert spec.n_params == twin_spec("qwen2").n_params == sum(p.numel() for p in built.parameters())
+    assert spec.tied and spec.hidden_size == 64 and len(spec.linears) == 7
+    assert planner.hf_spec(config.to_dict(), fake=False, kinds=("fp32",), pricings=("cpu",)).n_params == spec.n_params
+    with pytest.raises(ValueError, match="model_type"):
+        planner.hf_spec({"hidden_size": 64})
+    with pytest.raises(ValueError, match="Unknown model"):
+        planner.hf_spec("no-such-model")
