@@ -13,6 +13,7 @@ import time
 import pytest
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from course_utils import memory, models, planner
 from course_utils.planner import llm
@@ -92,7 +93,7 @@ def to_nf4(net, double):
 
 def llm_step(host, *, config, micro_batch, size, accumulation=1, precision="fp32", optimizer="adam",
              checkpointing="none", lora_rank=None, quantize_base=None, peft=True, master_on_cpu=False,
-             stream_grads=False, fused_update=False, offload_activations=False):
+             stream_grads=False, fused_update=False, offload_activations=False, chunked_loss=False):
     """The whole optimizer step of a tiny transformers causal LM: ``(step, model, optimizer)``; LoRA by peft (all
     linear layers of the blocks) or, on fake tensors, by :class:`LoRALinear`; QLoRA on bitsandbytes' NF4 layers."""
     torch.manual_seed(0)
@@ -116,10 +117,32 @@ def llm_step(host, *, config, micro_batch, size, accumulation=1, precision="fp32
     params = [p for p in net.parameters() if p.requires_grad]
     update, opt = make_update(params, host, precision=precision, optimizer=optimizer, master_on_cpu=master_on_cpu,
                               stream_grads=stream_grads, fused_update=fused_update)
-    step = whole_step(functools.partial(net, input_ids=x, labels=x), update, accumulation=accumulation,
-                      precision=precision, offload=offload_hooks(net, host) if offload_activations else None)
+    forward = functools.partial(net, input_ids=x, labels=x)
+    if chunked_loss:
+        net = Chunked(net)
+        forward = functools.partial(net, x)
+    step = whole_step(forward, update, accumulation=accumulation, precision=precision,
+                      offload=offload_hooks(net, host) if offload_activations else None)
     model = with_master(net, opt)
     return step, (nn.ModuleDict(dict(model=model, held=held)) if held is not None else model), opt
+
+
+class Chunked(nn.Module):
+    """The causal LM whose loss never holds the whole logits: chunks of tokens, each under checkpoint (notebook 08)."""
+
+    def __init__(self, net):
+        super().__init__()
+        self.net = net
+
+    def forward(self, x):
+        hidden = self.net.model(input_ids=x).last_hidden_state[:, :-1].flatten(0, 1)
+        targets = x[:, 1:].flatten()
+        size = math.ceil(targets.numel() / planner.model.LOSS_CHUNKS)
+
+        def chunk_loss(h, y):
+            return nn.functional.cross_entropy(self.net.lm_head(h).float(), y, reduction="sum")
+        return sum(checkpoint(chunk_loss, h, y, use_reentrant=False)
+                   for h, y in zip(hidden.split(size), targets.split(size))) / targets.numel()
 
 
 def step_peak(fake, **settings):
@@ -169,6 +192,7 @@ def test_full_fine_tuning_of_each_family(family):
     pytest.param("mistral", "gradients streamed to the CPU", dict(stream_grads=True),
                  dict(STEP, precision="bf16", master_on_cpu=True), marks=pytest.mark.slow),
     pytest.param("gemma2", "activations offloaded", dict(offload_activations=True), STEP, marks=pytest.mark.slow),
+    pytest.param("llama", "chunked loss", dict(chunked_loss=True), STEP, marks=pytest.mark.slow),
     pytest.param("llama", "update fused into backward", dict(fused_update=True), dict(micro_batch=1, size=16),
                  marks=pytest.mark.slow),
 ])
