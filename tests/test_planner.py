@@ -358,6 +358,9 @@ def test_cheapest_fit_within_a_host_ram_budget():
     free = planner.cheapest_fit("gpt2-xl", 2, micro_batch=4, size=1024)
     within = planner.cheapest_fit("gpt2-xl", 2, micro_batch=4, size=1024, host_gib=32)
     assert free.plan.host_bytes > 32 * GIB >= within.plan.host_bytes and within.plan.fits
+    # when the card could hold a plan but the host cannot, the message names host RAM, not the card
+    with pytest.raises(ValueError, match=r"Nothing fits in 1 GiB of host RAM.*fits only with the host holding"):
+        planner.cheapest_fit("gpt2-xl", 2, micro_batch=4, size=1024, host_gib=1)
     assert within.plan.step_seconds >= free.plan.step_seconds
     with pytest.raises(ValueError, match="allow more host RAM than 8 GiB"):
         planner.cheapest_fit("gpt2-xl", 2, micro_batch=4, size=1024, host_gib=8)

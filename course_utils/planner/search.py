@@ -91,6 +91,14 @@ def cheapest_fit(model, gpu="RTX 3060 (12 GB)", *, host_gib=None, optimizers=("a
         return Recommendation(plan=baseline, baseline=baseline, techniques=[], notebooks={}, slowdown=1.0)
     plans = [predict_settings(model, gpu, s) for s in candidate_settings(base, gpu, model, optimizers)]
     fitting = [p for p in plans if p.fits and p.host_bytes <= host_limit]
+    on_card = [p for p in plans if p.fits]
+    if on_card and not fitting:  # the card could hold a plan: the host RAM limit is what rules them all out
+        least = min(on_card, key=lambda p: p.host_bytes)
+        raise ValueError(
+            f"Nothing fits in {host_gib:g} GiB of host RAM: {model.name} on {gpu.name} fits only with the host holding "
+            f"{least.host_bytes / GIB:.1f} GiB or more ({', '.join(least.settings.techniques(base))}): allow more host "
+            f"RAM than {host_gib:g} GiB, or train fewer weights (lora_rank, with quantize_base for QLoRA), or choose "
+            "a GPU with more memory.")
     if not fitting:
         smallest = min(plans, key=lambda p: p.peak_bytes)
         raise ValueError(
