@@ -53,6 +53,7 @@ def test_hidden_dependency_folder_keeps_the_course_out(prepared, tmp_path):
     assert not any(installed.is_course_entry(p.name) for p in dependencies.iterdir())
 
 
+@pytest.mark.slow  # processes of their own (tens of seconds): make test runs it, make test-fast does not
 def test_the_harness_fails_a_failing_cell_and_catches_a_write_into_the_repository(tmp_path, prepared):
     """The checks below can fail: a cell that raises fails the run, a checked output that differs fails its cell,
     the network is off inside it, a write into the repository is refused (namespace) or found (fallback), and

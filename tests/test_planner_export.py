@@ -92,6 +92,7 @@ SCRIPTS = [("gpt2", dict(precision="bf16_amp", checkpointing="block")),
            ("llama", dict(lora_rank=8))]
 
 
+@pytest.mark.slow  # processes of their own (tens of seconds): make test runs it, make test-fast does not
 def test_the_plain_loop_script_runs_the_plans_step(tmp_path):
     # beside them, the script to_trainer writes for a learner, on a tiny GPT-2 saved here (LoRA, 2 steps)
     build("gpt2").save_pretrained(tmp_path / "model")
@@ -173,6 +174,7 @@ def test_the_trainer_export_runs_the_plans_step(tmp_path, family, settings):
 FSDP = [("gpt2", {}), ("gpt2", dict(checkpointing="block")), ("llama", {})]
 
 
+@pytest.mark.slow  # processes of their own (tens of seconds): make test runs it, make test-fast does not
 def test_the_fsdp2_config_runs_on_two_processes(tmp_path):
     from accelerate.commands.config.config_args import load_config_from_file
 
