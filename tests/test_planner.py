@@ -30,8 +30,13 @@ def test_gpu_presets_memory_aliases_and_links():
     # one PCIe table: the course's, scaled by the efficiency of pinned copies
     t4 = planner.get_gpu("T4")
     assert t4.pcie == "PCIe 3.0 x16"
-    assert t4.pcie_gbs == pytest.approx(hardware.PCIE_GB_PER_S["PCIe 3.0 x16"] * hardware.PCIE_EFFICIENCY)
     assert all(g.pcie in hardware.PCIE_GB_PER_S for g in planner.gpu_presets().values())
+    # the time model's copies take the course's one formula: only the link differs between these two cards
+    slow, fast = (planner.custom_gpu(12, pcie=link) for link in ("PCIe 3.0 x16", "PCIe 4.0 x16"))
+    step = dict(micro_batch=1, size=1024, master_on_cpu=True)
+    moved = 2 * planner.get_model("gpt2-xl").n_params * 4   # fp32 gradients down, weights up
+    assert (planner.predict("gpt2-xl", slow, **step).step_seconds - planner.predict("gpt2-xl", fast, **step).step_seconds
+            == pytest.approx(hardware.pcie_seconds(moved, "PCIe 3.0 x16") - hardware.pcie_seconds(moved, "PCIe 4.0 x16")))
 
 
 def test_presets_ship_as_package_data():

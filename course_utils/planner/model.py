@@ -41,7 +41,7 @@ import math
 from dataclasses import dataclass, field, fields, replace
 
 from ..estimate import OPTIMIZERS, normalize_optimizer, optimizer_state_bytes
-from ..hardware import gpu_bytes_needed
+from ..hardware import gpu_bytes_needed, pcie_seconds
 from ..memory import CATEGORIES as MEMORY_CATEGORIES
 from ..results import load_notebook
 from ..units import GIB
@@ -477,7 +477,7 @@ def step_seconds(model: ModelSpec, gpu: GPUSpec, s: Settings) -> float:
     w = 2 if s.precision in ("fp16", "bf16") else 4
     if s.master_on_cpu:
         grad_trips = s.accumulation if s.stream_grads else 1
-        pcie = (n * w * grad_trips + n * w) / (gpu.pcie_gbs * 1e9)
+        pcie = pcie_seconds(n * w * grad_trips + n * w, gpu.pcie)   # gradients down, weights up
         opt = pcie + n * cpu_step_ns(s.cpu_step_optimizer)[0] * 1e-9
     else:
         if s.lora_rank is not None:  # the weights and gradients, the state read and written
@@ -493,4 +493,4 @@ def step_seconds(model: ModelSpec, gpu: GPUSpec, s: Settings) -> float:
     # side-stream copies beside compute: only the part longer than compute shows
     copies = s.accumulation * (2 * _activations(model, s)["saved"] * s.offload_activations
                                + 2 * n * w * s.stream_weights)
-    return compute + opt + max(0.0, copies / (gpu.pcie_gbs * 1e9) - compute)
+    return compute + opt + max(0.0, pcie_seconds(round(copies), gpu.pcie) - compute)

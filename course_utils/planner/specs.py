@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
 
-from ..hardware import PCIE_EFFICIENCY, PCIE_GB_PER_S
+from ..hardware import PCIE_GB_PER_S
 from ..precision import recommend_precision
 from ..units import GIB, MIB
 from ..validation import positive_int, positive_number
@@ -26,7 +26,7 @@ def presets() -> dict:
 @dataclass(frozen=True)
 class GPUSpec:
     """A GPU: memory as nvidia-smi reports it, and the speeds the time model uses (defaults: an RTX 3060's); ``pcie``
-    names the host link (a key of ``hardware.PCIE_GB_PER_S``)."""
+    names the host link (a key of ``hardware.PCIE_GB_PER_S``; copies over it take ``hardware.pcie_seconds``)."""
 
     name: str
     memory_bytes: int
@@ -41,10 +41,6 @@ class GPUSpec:
     def memory_gib(self) -> float:
         return self.memory_bytes / GIB
 
-    @property
-    def pcie_gbs(self) -> float:
-        """Host <-> device copy speed the time model uses, GB/s: pinned copies reach PCIE_EFFICIENCY of the link."""
-        return PCIE_GB_PER_S[self.pcie] * PCIE_EFFICIENCY
 
 
 @lru_cache(maxsize=1)
