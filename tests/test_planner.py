@@ -234,6 +234,8 @@ def test_cheapest_fit_returns_nothing_when_it_already_fits():
     (dict(micro_batch=4, device="tpu"), "Unknown device 'tpu'"),
     (dict(micro_batch=4, accumulation=4, fused_update=True), "set accumulation=1"),
     (dict(micro_batch=4, master_on_cpu=True, fused_update=True), "stream_grads=True"),
+    (dict(micro_batch=4, precision="fp16_amp", fused_update=True), "loss scaling.*fused_update=False"),
+    (dict(micro_batch=4, precision="fp16", fused_update=True), "loss scaling.*fused_update=False"),
     (dict(micro_batch=4, stream_weights=True), "master_on_cpu=True"),
     (dict(micro_batch=4, lora_rank=8, master_on_cpu=True), "master_on_cpu=False"),
     (dict(micro_batch=4, lora_rank=0), "lora_rank must be positive"),
@@ -357,6 +359,15 @@ def test_cheapest_set_for_gpt2_xl_on_small_cards(gib):
     assert any("host RAM" in note for note in rec.plan.notes)
     with pytest.raises(ValueError, match="Nothing fits"):
         planner.cheapest_fit("gpt2-xl", 0.5, micro_batch=4, size=1024)
+
+
+def test_the_search_never_fuses_the_update_with_fp16s_loss_scaling():
+    from course_utils.planner.search import candidate_settings
+
+    spec, t4 = planner.get_model("gpt2-xl"), planner.get_gpu("T4")   # no bf16: every half plan is fp16
+    tried = list(candidate_settings(planner.make_settings(spec, micro_batch=4, size=1024), t4, spec))
+    assert any(s.fused_update for s in tried) and any(s.precision.startswith("fp16") for s in tried)
+    assert not [s for s in tried if s.fused_update and s.precision.startswith("fp16")]
 
 
 def test_cheapest_fit_within_a_host_ram_budget():

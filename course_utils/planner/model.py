@@ -254,6 +254,10 @@ def make_settings(model: ModelSpec, **knobs) -> Settings:
         raise ValueError(f"fused_update=True steps every parameter in each backward, so gradients cannot accumulate "
                          f"over {accumulation} micro-batches: set accumulation=1 (one larger micro-batch) or "
                          "fused_update=False.")
+    if s.fused_update and s.precision.startswith("fp16"):
+        raise ValueError("fp16 needs loss scaling, and GradScaler skips a step only once backward has shown an "
+                         "overflow: with fused_update=True every parameter has stepped by then (notebook 08, section "
+                         "3). Use bf16 (a GPU of compute capability 8.0+) or fp32, or set fused_update=False.")
     if s.fused_update and s.master_on_cpu:
         raise ValueError("With the optimizer on the CPU, the update fused into backward is stream_grads=True: "
                          "use that, and set fused_update=False.")
