@@ -319,3 +319,21 @@ def _in_a_fresh_process(name: str):
 if not os.environ.get(FRESH):
     for _name in [n for n in list(globals()) if n.startswith("test_")]:
         globals()[_name] = _in_a_fresh_process(_name)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_the_doctor_reads_the_allocator_and_empty_cache_returns_what_it_said():
+    """The CUDA branch with the real counters: a named tensor's row is its storage, and the bytes the doctor says
+    ``empty_cache()`` would return are what reserved drops by (torch.cuda.memory_snapshot()'s real format)."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    kept, dropped = torch.empty(3 << 20, device="cuda"), torch.empty(5 << 20, device="cuda")  # 12 and 20 MiB
+    del dropped                                      # its segment stays cached, with no block in use
+    report = doctor({"kept": kept}, "cuda")
+    assert report.row("`kept`").bytes == kept.untyped_storage().nbytes()
+    assert report.cuda["allocated"] == torch.cuda.memory_allocated() >= report.total_bytes
+    idle, reserved = report.cuda["empty_cache() would return"], torch.cuda.memory_reserved()
+    assert idle >= 20 << 20, report
+    torch.cuda.empty_cache()
+    assert reserved - torch.cuda.memory_reserved() == idle, report
