@@ -129,6 +129,14 @@ class NotebookRuns:
         self.start([path])
         return self._futures[path].result()
 
+    def running(self) -> int:
+        """How many kernels run now: the queued runs not finished, at most ``workers`` at a time."""
+        return min(self.workers, sum(not f.done() for f in self._futures.values()))
+
+    def unit_test_threads(self) -> int:
+        """The unit tests' share of the cores: what the running kernels leave, every core once they are done."""
+        return max(1, (os.cpu_count() or 1) - self.running() * self.threads)
+
     def done(self) -> dict[Path, dict]:
         """The runs that finished, by path."""
         return {p: f.result() for p, f in self._futures.items() if f.done() and not f.cancelled()}

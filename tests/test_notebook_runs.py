@@ -104,3 +104,19 @@ def test_the_shared_caches_are_outside_the_repository():
     for name, folder in installed.warm_caches().items():
         assert not Path(folder).resolve().is_relative_to(installed.ROOT), f"{name}={folder} is inside the repository"
         assert Path(folder).is_dir()
+
+
+def test_the_unit_tests_take_back_the_cores_as_the_kernels_finish(tmp_path, monkeypatch):
+    import concurrent.futures
+
+    monkeypatch.setattr(notebook_runs.os, "cpu_count", lambda: 4)
+    runs = notebook_runs.NotebookRuns.__new__(notebook_runs.NotebookRuns)
+    runs.workers, runs.threads = 2, 1
+    pending = [concurrent.futures.Future() for _ in range(3)]
+    runs._futures = {Path(f"{i}.ipynb"): f for i, f in enumerate(pending)}
+    assert runs.running() == 2 and runs.unit_test_threads() == 2      # three queued, two at a time
+    pending[0].set_result({})
+    pending[1].set_result({})
+    assert runs.running() == 1 and runs.unit_test_threads() == 3
+    pending[2].set_result({})
+    assert runs.running() == 0 and runs.unit_test_threads() == 4      # every core once the notebooks are done
