@@ -23,11 +23,25 @@ def test_warmup_calls_happen_before_timing():
     assert len(calls) > 3
 
 
+def test_the_fastest_block_is_the_machine_without_its_burst_of_load():
+    """Calls slowed (3 ms) except in a window of 30 (1 ms), as a busy machine slows a step: the blocks' median is
+    the busy time, the fastest block the quiet one."""
+    import itertools
+
+    def timed(statistic):
+        calls = itertools.count()
+        return timing.time_fn(lambda: time.sleep(0.001 if 60 <= next(calls) < 90 else 0.003), min_run_time=0.3,
+                              warmup=0, statistic=statistic)
+
+    assert timed("median") > 0.0025 and 0.001 <= timed("fastest") < 0.0015
+
+
 @pytest.mark.parametrize("kwargs, match", [
     ({"fn": 3}, "callable"),
     ({"fn": lambda: None, "min_run_time": 0}, "min_run_time"),
     ({"fn": lambda: None, "warmup": -1}, "warmup"),
     ({"fn": lambda: None, "threads": 0}, "threads"),
+    ({"fn": lambda: None, "statistic": "mean"}, "use 'median' or 'fastest'"),
 ])
 def test_bad_input_is_explained(kwargs, match):
     with pytest.raises((TypeError, ValueError), match=match):
