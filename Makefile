@@ -32,10 +32,12 @@ test:
 	$(MAKE) --no-print-directory install && $(PY) -m pytest || status=$$?; \
 	echo "make test: $$(( $$(date +%s) - start )) s wall, install included"; exit $$status
 
-# Contributors: the unit tests alone (no notebook, no browser, nothing marked slow), one worker per core (at most 4:
-# each imports torch), a test file to a worker (module fixtures and test_doctor's fresh process stay whole).
+# Contributors: the unit tests alone (no notebook, no browser, nothing marked slow), four pytest-xdist workers (more
+# than two cores' worth: many tests wait on processes of their own, and a waiting worker leaves its core to another;
+# each worker's torch threads share the cores), a test file to a worker (module fixtures and test_doctor's fresh
+# process stay whole).
 test-fast: install
-	$(PY) -m pytest tests -m "not slow and not after_notebooks" -q -n auto --maxprocesses=4 --dist loadfile
+	$(PY) -m pytest tests -m "not slow and not after_notebooks" -q -n 4 --dist loadfile
 
 check: install
 	$(PY) -m course_tools.preflight --record
