@@ -29,7 +29,12 @@ def _parent_and_child(parent_mib_before, parent_mib_during):
                    "c = subprocess.Popen([sys.executable, '-c', "
                    "\"b = bytearray(200 * 2**20); b[::4096] = b'x' * len(b[::4096]); import time; time.sleep(2)\"])\n"
                    "c.wait()\n")
-    proc = subprocess.Popen([sys.executable, "-c", parent_code])
+    return _sampled(parent_code)
+
+
+def _sampled(code):
+    """The sampler after a Python process running ``code`` (as the kernel) has finished."""
+    proc = subprocess.Popen([sys.executable, "-c", code])
     try:
         sampler = nbval_plugin.KernelMemorySampler(proc.pid, interval=0.05)
         proc.wait()
@@ -77,13 +82,7 @@ def test_a_forked_copy_of_the_kernel_adds_only_the_pages_it_writes():
             "if pid == 0:\n"
             "    c = bytearray(100 * 2**20); c[::4096] = b'y' * len(c[::4096]); time.sleep(2); os._exit(0)\n"
             "os.waitpid(pid, 0)\n")
-    proc = subprocess.Popen([sys.executable, "-c", code])
-    try:
-        sampler = nbval_plugin.KernelMemorySampler(proc.pid, interval=0.05)
-        proc.wait()
-        sampler.stop()
-    finally:
-        proc.wait()
+    sampler = _sampled(code)
     assert sampler.children_peak >= 95 * 2**20, "the pages the forked child wrote were not counted"
     assert 390 * 2**20 <= sampler.together_peak < 460 * 2**20, (
         f"{sampler.together_peak / 2**20:.0f} MiB for a 300 MiB kernel and a fork that wrote 100 MiB "
