@@ -337,25 +337,20 @@ def pytest_collection_finish(session):
         base = session.config._tmp_path_factory.mktemp("notebook-runs")  # pytest keeps the last three runs'
         runs = notebook_runs.runs(results_dir=paths.results_dir(), base=base)
         runs.start(notebooks)
-        _share_cores(runs)
-
-
-def _share_cores(runs) -> None:
-    """The unit tests share the cores with the notebooks' kernels (threads that spin against each other waste them),
-    and take every core back as the kernels finish: the last unit tests often run alone."""
-    import torch
-
-    threads = runs.unit_test_threads()
-    if torch.get_num_threads() != threads:
-        torch.set_num_threads(threads)
 
 
 def pytest_runtest_setup(item):
+    """The unit tests share the cores with the notebooks' kernels (threads that spin against each other waste them),
+    and take every core back as the kernels finish: the last unit tests often run alone."""
     from course_tools import notebook_runs
 
     runs = notebook_runs.active()
     if runs is not None and _installed(item.config) and not os.environ.get("PYTEST_XDIST_WORKER"):
-        _share_cores(runs)
+        import torch
+
+        threads = runs.unit_test_threads()
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
 
 
 _CONFIG: dict = {}  # this test run's config, for the hooks that are not given it
