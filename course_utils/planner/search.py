@@ -60,8 +60,8 @@ def candidate_settings(base: Settings, gpu: GPUSpec, model, optimizers=("adam8bi
             splits, precisions, optimizers, ckpts, offloads, {base.offload_activations, True}, chunked,
             {base.fused_update, True}, {base.stream_weights, True}, quantized):
         acc = base.accumulation * f
-        if (fu and (acc > 1 or m or p.startswith("fp16"))) or (sw and not m) or (o == "adamw_bf16_sr" and (p != "bf16" or m)) or (
-                q and p.endswith("_amp")):
+        if ((fu and (acc > 1 or m or p.startswith("fp16"))) or (sw and not m)
+                or (o == "adamw_bf16_sr" and (p != "bf16" or m)) or (q and p.endswith("_amp"))):
             continue  # combinations make_settings refuses
         yield replace(base, micro_batch=base.micro_batch // f, accumulation=acc, precision=p, optimizer=o,
                       checkpointing=c, master_on_cpu=m, stream_grads=st, offload_activations=off, chunked_loss=ch,
