@@ -61,15 +61,6 @@ class LoRALinear(nn.Module):
         return self.base(x) + self.lora_B(self.lora_A(x)) * self.scale
 
 
-def replace_linears(net, make):
-    """Each linear layer of the decoder blocks replaced by ``make(linear)``."""
-    for block in llm.blocks_of(net):
-        for module in list(block.modules()):
-            for name, child in list(module.named_children()):
-                if isinstance(child, nn.Linear):
-                    setattr(module, name, make(child))
-
-
 def to_nf4(net, double):
     """The blocks' linear layers as bitsandbytes' Linear4bit (NF4, computing in the weights' dtype), as transformers'
     ``BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4')`` makes them; the quantization state (absmax,
@@ -81,7 +72,7 @@ def to_nf4(net, double):
                               compute_dtype=linear.weight.dtype, quant_type="nf4", compress_statistics=double)
         q.load_state_dict(linear.state_dict())
         return q.to("cpu")  # .to() quantizes
-    replace_linears(net, quantize)
+    llm.replace_linears(net, quantize)
     state = nn.ParameterList()
     for m in net.modules():
         if isinstance(m, bnb.nn.Linear4bit):
@@ -110,7 +101,7 @@ def llm_step(host, *, config, micro_batch, size, accumulation=1, precision="fp32
                                                                target_modules="all-linear"))
     elif lora_rank:
         net.requires_grad_(False)
-        replace_linears(net, functools.partial(LoRALinear, rank=lora_rank))
+        llm.replace_linears(net, functools.partial(LoRALinear, rank=lora_rank))
     if checkpointing == "block":
         net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     x = torch.randint(0, config.vocab_size, (micro_batch, size))

@@ -109,6 +109,15 @@ def block_linears(block: nn.Module) -> tuple:
     return tuple((name, m.in_features, m.out_features) for name, m in block.named_modules() if isinstance(m, nn.Linear))
 
 
+def replace_linears(model: nn.Module, make) -> None:
+    """Each linear layer of the decoder blocks replaced by ``make(linear)`` (an adapter around it, a 4-bit copy)."""
+    for block in blocks_of(model):
+        for module in list(block.modules()):
+            for name, child in list(module.named_children()):
+                if isinstance(child, nn.Linear):
+                    setattr(module, name, make(child))
+
+
 class RankOne(nn.Module):
     """A frozen linear layer plus a rank-1 fp32 adapter, computed as peft computes LoRA (the input cast to the adapter's
     dtype): what the planner measures LoRA's activations with (the rank's own share it adds)."""
@@ -150,11 +159,7 @@ def _build(config, kind: str, attention: str, lora: bool = False):
         model.config._attn_implementation = "course_flash_gqa"
     if lora:
         model.requires_grad_(False)
-        for block in blocks_of(model):
-            for module in list(block.modules()):
-                for name, child in list(module.named_children()):
-                    if isinstance(child, nn.Linear):
-                        setattr(module, name, RankOne(child))
+        replace_linears(model, RankOne)
 
     def make(u):
         x = torch.randint(0, config.vocab_size, (BATCH, u))
