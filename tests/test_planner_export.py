@@ -31,7 +31,7 @@ from transformers import TrainerCallback
 
 from course_tools.launcher import launch
 from course_utils import memory, models, planner
-from course_utils.planner import export
+from course_utils.planner import export, llm
 
 TOLERANCE = 0.05
 TINY_GPT2 = dict(n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=128)
@@ -68,12 +68,8 @@ def config(family):
 
 
 def build(family):
-    from transformers import AutoModelForCausalLM
-
     torch.manual_seed(0)
-    net = AutoModelForCausalLM.from_config(config(family), attn_implementation="eager")  # 'math' attention
-    net.loss_type = "ForCausalLM"
-    return net
+    return llm.build_causal_lm(config(family), attention="math", n_layers=None)
 
 
 def check(kind, family, setting, planned, measured, seconds):
