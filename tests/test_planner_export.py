@@ -11,8 +11,8 @@ model with ``device='cpu'``, as tests/test_protocol.py holds the planner against
   gradient clipping, the optimizer's step).
 - ``to_accelerate_fsdp``: the YAML is read by accelerate's own config loader, then applied with ``fully_shard`` on 2
   processes (gloo) under the course's launcher, as notebook 07 runs its ranks: ``accelerate launch`` runs FSDP on
-  accelerators only (on a CPU it falls back to plain data parallelism). Each rank's peak is held against
-  ``fsdp_rank_bytes`` (the plan, sharded).
+  accelerators only (on a CPU it falls back to plain data parallelism). Each rank's peak (the smallest of three
+  measured steps: tests/workers/export_fsdp.py says why) is held against ``fsdp_rank_bytes`` (the plan, sharded).
 - ``to_deepspeed``: checked against the keys and types of DeepSpeed's configuration reference ("DeepSpeed Configuration
   JSON"); where DeepSpeed imports (it is no course dependency), parsed by ``deepspeed.runtime.config.DeepSpeedConfig``
   and run by ``deepspeed.initialize`` on the CPU (1 process, gloo), its second step within 5% of the plan.
