@@ -292,10 +292,12 @@ def build_wheel(dist: Path, scratch: Path) -> Path:
     env = dict(os.environ, PIP_NO_INDEX="1", PIP_DISABLE_PIP_VERSION_CHECK="1")
     proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
                            "-w", str(dist), str(scratch)], capture_output=True, text=True, env=env, timeout=600)
-    if proc.returncode != 0:
-        raise RuntimeError(f"building the wheel failed:\n{proc.stdout}\n{proc.stderr}")
-    (built,) = dist.glob("*.whl")
-    return built
+    built = sorted(dist.glob("*.whl"))
+    if proc.returncode != 0 or len(built) != 1:
+        raise RuntimeError(f"building the wheel failed (pip's exit code {proc.returncode}; {dist} holds "
+                           f"{[p.name for p in dist.iterdir()] if dist.is_dir() else 'nothing: it is gone'}):\n"
+                           f"{proc.stdout}\n{proc.stderr}")
+    return built[0]
 
 
 def choose_isolation() -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 from pathlib import Path
 
 import pandas as pd
@@ -17,6 +18,7 @@ from torch import nn
 from course_utils import accounting as A
 from course_utils import memory
 from course_utils.memory import MIB, measure_memory, optimizer_state_bytes, storage_key, tensor_bytes
+from stand_ins import stand_in
 
 NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "01_memory_accounting.ipynb"
 
@@ -30,7 +32,7 @@ def _mlp(width=32, inplace=False):
 # ---------------------------------------------------------------- monitoring
 
 def test_gpu_monitor_never_fails_and_explains_missing_tools(monkeypatch):
-    monkeypatch.setattr(A.shutil, "which", lambda name: None)
+    monkeypatch.setattr(A, "shutil", stand_in(shutil, which=lambda name: None))
     reports = A.gpu_monitor()
     tools = ("nvidia-smi", "gpustat", "nvtop")
     assert [r.split("\n")[0] for r in reports] == [f"$ {t}  (not installed here)" for t in tools]
@@ -40,24 +42,24 @@ def test_gpu_monitor_never_fails_and_explains_missing_tools(monkeypatch):
 
 
 def test_gpu_monitor_reports_a_failing_tool_instead_of_raising(monkeypatch):
-    monkeypatch.setattr(A.shutil, "which", lambda name: "/usr/bin/" + name)
+    monkeypatch.setattr(A, "shutil", stand_in(shutil, which=lambda name: "/usr/bin/" + name))
 
     def broken(*args, **kwargs):
         raise OSError("no driver")
 
-    monkeypatch.setattr(A.subprocess, "run", broken)
+    monkeypatch.setattr(A, "subprocess", stand_in(subprocess, run=broken))
     smi, nvtop = A.gpu_monitor(["nvidia-smi", "nvtop"])
     assert smi.startswith("$ nvidia-smi  (found)") and "could not run (OSError: no driver)" in smi
     assert nvtop.startswith("$ nvtop  (found)") and "interactive" in nvtop  # nvtop is never run
 
 
 def test_gpu_monitor_runs_an_installed_tool(monkeypatch):
-    monkeypatch.setattr(A.shutil, "which", lambda name: "/usr/bin/" + name)
+    monkeypatch.setattr(A, "shutil", stand_in(shutil, which=lambda name: "/usr/bin/" + name))
 
     class Done:
         returncode, stdout, stderr = 0, "0, Fake GPU, 10 MiB, 16384 MiB, 0 %\n", ""
 
-    monkeypatch.setattr(A.subprocess, "run", lambda *a, **k: Done())
+    monkeypatch.setattr(A, "subprocess", stand_in(subprocess, run=lambda *a, **k: Done()))
     assert A.gpu_monitor("nvidia-smi") == ["$ nvidia-smi  (found)\n0, Fake GPU, 10 MiB, 16384 MiB, 0 %"]
 
 

@@ -4,6 +4,7 @@ import subprocess
 import pytest
 
 from course_utils import bootstrap, hardware
+from stand_ins import stand_in
 
 
 def test_nothing_missing_here():
@@ -26,7 +27,7 @@ def test_colab_installs_only_the_missing_and_never_torch(monkeypatch):
     calls = []
     monkeypatch.setattr(bootstrap, "missing_packages", lambda names: ["mlxtend", "timm"])
     monkeypatch.setattr(hardware, "in_colab", lambda: True)
-    monkeypatch.setattr(subprocess, "run", lambda cmd, check: calls.append(cmd))
+    monkeypatch.setattr(bootstrap, "subprocess", stand_in(subprocess, run=lambda cmd, check: calls.append(cmd)))
     assert bootstrap.ensure_packages(["mlxtend", "timm", "seaborn"]) == ["mlxtend", "timm"]
     (cmd,) = calls
     assert "mlxtend>=0.23" in cmd and "timm>=1.0" in cmd

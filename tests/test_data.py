@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from course_utils import data
+from stand_ins import stand_in
 
 
 @pytest.fixture(autouse=True)
@@ -61,7 +62,7 @@ def test_auto_falls_back_offline_without_hanging(monkeypatch):
         calls.append(timeout)
         raise OSError("network is unreachable (test)")
 
-    monkeypatch.setattr(socket, "create_connection", no_network)
+    monkeypatch.setattr(data, "socket", stand_in(socket, create_connection=no_network))
     monkeypatch.delenv("COURSE_OFFLINE", raising=False)
     monkeypatch.setattr(data, "DOWNLOAD_TIMEOUT_S", 0.5)
     d = data.load_mnist(20)
@@ -73,7 +74,7 @@ def test_course_offline_env_skips_network(monkeypatch):
     def fail(*args, **kwargs):  # pragma: no cover - must not be called
         raise AssertionError("the network was touched although COURSE_OFFLINE=1")
 
-    monkeypatch.setattr(socket, "create_connection", fail)
+    monkeypatch.setattr(data, "socket", stand_in(socket, create_connection=fail))
     d = data.load_mnist(10)
     assert "COURSE_OFFLINE" in d.source
 

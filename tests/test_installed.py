@@ -24,6 +24,7 @@ import pytest
 
 from course_tools import installed, notebook_runs
 from course_utils import paths
+from stand_ins import stand_in
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted(p.name for p in (ROOT / "notebooks").glob("[0-9][0-9]*_*.ipynb"))  # 01b_... too
@@ -213,3 +214,16 @@ def test_planner_widget_works_with_colab_ipywidgets(colab_ipywidgets, tmp_path):
     (ok_before, verdict_before), (ok_after, verdict_after) = data["before"], data["after"]
     assert ok_before and ok_after
     assert "does NOT fit" in verdict_before and "-> fits" in verdict_after, (verdict_before, verdict_after)
+
+
+def test_a_wheel_build_that_leaves_no_wheel_says_so(tmp_path, monkeypatch):
+    """pip answering 0 without a wheel (it once did, under a test's fake subprocess.run) is an error that says what
+    the folder holds, not an unpacking error."""
+    class Done:
+        returncode, stdout, stderr = 0, "pip's output", ""
+
+    monkeypatch.setattr(installed, "subprocess", stand_in(subprocess, run=lambda *a, **k: Done()))
+    (tmp_path / "dist").mkdir()
+    (tmp_path / "src").mkdir()
+    with pytest.raises(RuntimeError, match=r"exit code 0; .*dist holds \[\]\):\npip's output"):
+        installed.build_wheel(tmp_path / "dist", tmp_path / "src")

@@ -2,12 +2,14 @@
 outcomes reported from the installed run, the time budgets, and bad settings refused with a message."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 from course_tools import installed, nbval_plugin, notebook_runs
+from stand_ins import SHARED, stand_in
 
 
 def test_notebooks_run_as_installed_unless_told_otherwise(monkeypatch):
@@ -109,7 +111,7 @@ def test_the_shared_caches_are_outside_the_repository():
 def test_the_unit_tests_take_back_the_cores_as_the_kernels_finish(tmp_path, monkeypatch):
     import concurrent.futures
 
-    monkeypatch.setattr(notebook_runs.os, "cpu_count", lambda: 4)
+    monkeypatch.setattr(notebook_runs, "os", stand_in(os, cpu_count=lambda: 4))
     runs = notebook_runs.NotebookRuns.__new__(notebook_runs.NotebookRuns)
     runs.workers, runs.threads = 2, 1
     pending = [concurrent.futures.Future() for _ in range(3)]
@@ -120,3 +122,42 @@ def test_the_unit_tests_take_back_the_cores_as_the_kernels_finish(tmp_path, monk
     assert runs.running() == 1 and runs.unit_test_threads() == 3
     pending[2].set_result({})
     assert runs.running() == 0 and runs.unit_test_threads() == 4      # every core once the notebooks are done
+
+
+# ---------------------------------------------------------------- unit tests beside the background runs
+def patches_of_shared_modules(source: str) -> list[str]:
+    """``monkeypatch.setattr`` calls in ``source`` that change a module the background notebook runs share."""
+    import ast
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "setattr"
+                and node.args):
+            continue
+        target = node.args[0]
+        name = (target.id if isinstance(target, ast.Name) else target.attr if isinstance(target, ast.Attribute)
+                else target.value.split(".")[0] if isinstance(target, ast.Constant) and isinstance(target.value, str)
+                else None)
+        if name in SHARED:
+            found.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_no_unit_test_patches_a_module_the_background_runs_share():
+    offenders = {path.name: found for path in sorted(Path(__file__).parent.glob("*.py"))
+                 if (found := patches_of_shared_modules(path.read_text()))}
+    assert not offenders, ("These tests patch a module for the whole process, the notebooks' background runs "
+                           "included; give the module under test a stand-in (tests/stand_ins.py) instead: "
+                           f"{offenders}")
+
+
+def test_the_check_finds_such_a_patch_and_a_stand_in_changes_one_module():
+    import subprocess
+
+    bad = ('monkeypatch.setattr(A.subprocess, "run", fake)\nmonkeypatch.setattr(os, "cpu_count", lambda: 4)\n'
+           'monkeypatch.setattr("shutil.which", None)\nmonkeypatch.setattr(A, "subprocess", stand_in(subprocess))\n')
+    assert [line.split(":")[0] for line in patches_of_shared_modules(bad)] == ["line 1", "line 2", "line 3"]
+    fake = stand_in(subprocess, run=lambda *a, **k: "fake")
+    assert fake.run() == "fake" and fake.PIPE is subprocess.PIPE and subprocess.run is not fake.run
+    with pytest.raises(AttributeError, match="has no runn"):
+        stand_in(subprocess, runn=None)

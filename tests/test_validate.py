@@ -1,11 +1,13 @@
 """course_tools.validate: runs notebooks under nbval and writes a Markdown + JSON report."""
 import json
+import shutil
 import sys
 
 import nbformat
 import pytest
 
 from course_tools import validate
+from stand_ins import stand_in
 
 
 def _notebook(path, code):
@@ -42,7 +44,7 @@ def test_unknown_notebook_is_a_clear_message(tmp_path, capsys):
 
 
 def test_poller_without_nvidia_smi(monkeypatch):
-    monkeypatch.setattr(validate.shutil, "which", lambda name: None)
+    monkeypatch.setattr(validate, "shutil", stand_in(shutil, which=lambda name: None))
     with validate.GpuMemoryPoller() as poller:
         pass
     assert poller.available is False and poller.peak_mib is None
