@@ -292,11 +292,16 @@ def build_wheel(dist: Path, scratch: Path) -> Path:
     env = dict(os.environ, PIP_NO_INDEX="1", PIP_DISABLE_PIP_VERSION_CHECK="1")
     proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
                            "-w", str(dist), str(scratch)], capture_output=True, text=True, env=env, timeout=600)
+    return the_wheel(dist, proc)
+
+
+def the_wheel(dist: Path, pip: subprocess.CompletedProcess) -> Path:
+    """The one wheel ``pip`` (a finished ``pip wheel``) left in ``dist``, or an error that says what is there."""
     built = sorted(dist.glob("*.whl"))
-    if proc.returncode != 0 or len(built) != 1:
-        raise RuntimeError(f"building the wheel failed (pip's exit code {proc.returncode}; {dist} holds "
+    if pip.returncode != 0 or len(built) != 1:
+        raise RuntimeError(f"building the wheel failed (pip's exit code {pip.returncode}; {dist} holds "
                            f"{[p.name for p in dist.iterdir()] if dist.is_dir() else 'nothing: it is gone'}):\n"
-                           f"{proc.stdout}\n{proc.stderr}")
+                           f"{pip.stdout}\n{pip.stderr}")
     return built[0]
 
 
@@ -345,7 +350,10 @@ def fresh_environment(work: Path, dependencies: Path, isolation: str) -> tuple[P
     return venv / "bin" / "python", site
 
 
-def kernel_env(work: Path, python: Path, wheel: Path, threads: int | None = None) -> dict:
+def kernel_env(work: Path, python: Path, wheel: Path, threads: int | None = None, profile: str | None = None) -> dict:
+    """The kernel's whole environment (nothing inherited). ``profile`` defaults to this process's COURSE_PROFILE (smoke
+    if unset); a caller in a background thread passes the one it read at its start, because a unit test running
+    beside it may set COURSE_PROFILE for a moment."""
     home, tmp, jupyter, ipython = work / "home", work / "tmp", work / "jupyter", work / "ipython"
     kernel_dir, startup = jupyter / "kernels" / KERNEL_NAME, ipython / "profile_default" / "startup"
     for folder in (home, tmp, kernel_dir, startup):
@@ -357,21 +365,22 @@ def kernel_env(work: Path, python: Path, wheel: Path, threads: int | None = None
     return {"HOME": str(home), "TMPDIR": str(tmp), "JUPYTER_PATH": str(jupyter), "IPYTHONDIR": str(ipython),
             "COURSE_INSTALLED_REPORT": str(work / "report.json"),
             "PATH": f"{python.parent}:/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONNOUSERSITE": "1",
-            "COURSE_PROFILE": os.environ.get("COURSE_PROFILE", "smoke"), "COURSE_INSTALL_SPEC": str(wheel), "PIP_DISABLE_PIP_VERSION_CHECK": "1",
+            "COURSE_PROFILE": profile or os.environ.get("COURSE_PROFILE", "smoke"), "COURSE_INSTALL_SPEC": str(wheel), "PIP_DISABLE_PIP_VERSION_CHECK": "1",
             "COURSE_INSTALLED_RUN": "1", "MPLBACKEND": "Agg", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
             **warm_caches(),
             # notebooks run side by side: each kernel's default thread count (a cell that times threads sets its own)
             **({"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)} if threads else {})}
 
 
-def run_one(source: Path, base: Path, wheel: Path, dependencies: Path, isolation: str, threads: int | None = None) -> dict:
+def run_one(source: Path, base: Path, wheel: Path, dependencies: Path, isolation: str, threads: int | None = None,
+            profile: str | None = None) -> dict:
     """Copy the notebook at ``source`` alone into an empty folder and run it as installed; return the result."""
     notebook = source.name
     work = base / source.stem
     folder = work / "course"
     folder.mkdir(parents=True)
     python, site = fresh_environment(work, dependencies, isolation)
-    env = kernel_env(work, python, wheel, threads)
+    env = kernel_env(work, python, wheel, threads, profile)
     shutil.copy2(source, folder / notebook)
     seen = subprocess.run(
         [str(python), "-c", "import importlib.util as u, json; print(json.dumps({n: u.find_spec(n) is not None "

@@ -80,6 +80,8 @@ class NotebookRuns:
     def __init__(self, base: Path, workers: int, results_dir: Path | None = None):
         self.base, self.workers, self.results_dir = Path(base), workers, results_dir
         self.threads = max(1, (os.cpu_count() or 1) // workers)  # each kernel's share of the cores
+        # read once, here: the runs start in background threads while unit tests may set COURSE_PROFILE for a moment
+        self.profile = os.environ.get("COURSE_PROFILE", "smoke")
         self._setup_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="notebook-setup")
         self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="notebook")
         self._setup = self._setup_pool.submit(self._prepare)
@@ -112,7 +114,8 @@ class NotebookRuns:
         except Exception as err:  # noqa: BLE001 - every notebook then reports why
             return {"notebook": path.name, "passed": False, "cells": {}, "report": None, "runner_log": "",
                     "error": f"could not prepare the installed runs: {err}"}
-        result = installed.run_one(path, self.base / "runs", wheel, dependencies, isolation, self.threads)
+        result = installed.run_one(path, self.base / "runs", wheel, dependencies, isolation, self.threads,
+                                    self.profile)
         # What the notebook recorded under its fresh HOME, where this test run keeps results (tests that compare
         # notebooks read it there, as after a run in this environment).
         recorded = Path(result["home"]) / "when-the-model-does-not-fit" / "results" / f"{path.stem}.json"

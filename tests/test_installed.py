@@ -24,7 +24,6 @@ import pytest
 
 from course_tools import installed, notebook_runs
 from course_utils import paths
-from stand_ins import stand_in
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted(p.name for p in (ROOT / "notebooks").glob("[0-9][0-9]*_*.ipynb"))  # 01b_... too
@@ -216,14 +215,25 @@ def test_planner_widget_works_with_colab_ipywidgets(colab_ipywidgets, tmp_path):
     assert "does NOT fit" in verdict_before and "-> fits" in verdict_after, (verdict_before, verdict_after)
 
 
-def test_a_wheel_build_that_leaves_no_wheel_says_so(tmp_path, monkeypatch):
+def test_a_wheel_build_that_leaves_no_wheel_says_so(tmp_path):
     """pip answering 0 without a wheel (it once did, under a test's fake subprocess.run) is an error that says what
     the folder holds, not an unpacking error."""
-    class Done:
-        returncode, stdout, stderr = 0, "pip's output", ""
-
-    monkeypatch.setattr(installed, "subprocess", stand_in(subprocess, run=lambda *a, **k: Done()))
+    done = subprocess.CompletedProcess(["pip", "wheel"], 0, "pip's output", "")
+    with pytest.raises(RuntimeError, match=r"exit code 0; .*dist holds nothing: it is gone\):\npip's output"):
+        installed.the_wheel(tmp_path / "dist", done)
     (tmp_path / "dist").mkdir()
-    (tmp_path / "src").mkdir()
-    with pytest.raises(RuntimeError, match=r"exit code 0; .*dist holds \[\]\):\npip's output"):
-        installed.build_wheel(tmp_path / "dist", tmp_path / "src")
+    with pytest.raises(RuntimeError, match=r"dist holds \[\]"):
+        installed.the_wheel(tmp_path / "dist", done)
+    (tmp_path / "dist" / "course_utils-0.1.0-py3-none-any.whl").write_bytes(b"")
+    assert installed.the_wheel(tmp_path / "dist", done).name == "course_utils-0.1.0-py3-none-any.whl"
+    with pytest.raises(RuntimeError, match="exit code 1"):
+        installed.the_wheel(tmp_path / "dist", subprocess.CompletedProcess(["pip"], 1, "", "error"))
+
+
+def test_a_kernel_runs_in_the_profile_read_when_the_runs_started(tmp_path, monkeypatch):
+    """The background runs pass the profile they read at their start: a unit test that sets COURSE_PROFILE for a
+    moment beside them (as this one does) must not turn a notebook's smoke run into a full one."""
+    monkeypatch.setenv("COURSE_PROFILE", "full")
+    env = installed.kernel_env(tmp_path / "a", Path(sys.executable), tmp_path / "course.whl", profile="smoke")
+    assert env["COURSE_PROFILE"] == "smoke"
+    assert installed.kernel_env(tmp_path / "b", Path(sys.executable), tmp_path / "course.whl")["COURSE_PROFILE"] == "full"
