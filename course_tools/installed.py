@@ -41,7 +41,6 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("course_utils", "course_tools")
 CELL_TIMEOUT_S = 600
 NOTEBOOK_TIMEOUT_S = int(os.environ.get("COURSE_INSTALLED_TIMEOUT", "1200"))  # per notebook, kernel start included
-NOTEBOOK_NICENESS = 10  # the notebooks' runs yield to the unit tests beside them (0: same priority)
 OUTSIDE_ADDRESS = ("151.101.0.223", 443)  # pypi.org's CDN: must be unreachable inside the run
 KERNEL_NAME = "course-installed"
 SANITIZE = ROOT / "tests" / "nbval_sanitize.cfg"
@@ -392,10 +391,6 @@ def run_one(source: Path, base: Path, wheel: Path, dependencies: Path, isolation
             "result": str(work / "result.json")}
     (work / "args.json").write_text(json.dumps(args))
     prefix = ["unshare", "-rnm"] if isolation == "unshare" else []
-    # Below the unit tests' priority (nice 10): they run one test at a time beside two notebooks, and the test run
-    # ends when both have, so the notebooks take what the unit tests leave (the reference workload too: the budget
-    # compares like with like).
-    prefix = (["nice", "-n", str(NOTEBOOK_NICENESS)] if NOTEBOOK_NICENESS and shutil.which("nice") else []) + prefix
     start = time.perf_counter()
     # A session of its own, so that stop_all() (an interrupted test run) can end the runner, its kernel and
     # whatever the notebook spawned together.
