@@ -68,11 +68,14 @@ def test_saved_outputs_are_compared_in_smoke_only(tmp_path, profile, passes):
     path = tmp_path / "01_checked.ipynb"
     nbformat.write(nb, path)
     root = validate.REPO_ROOT
-    env = {**__import__("os").environ, "COURSE_PROFILE": profile}
+    # in this environment, as course-validate runs notebooks: the comparison is the plugin's, the same in an installed
+    # run (which every notebook of make test is), and a wheel and a fresh environment would add 10 s a case
+    env = {**__import__("os").environ, "COURSE_PROFILE": profile, "COURSE_NOTEBOOKS": "here"}
     proc = subprocess.run([sys.executable, "-m", "pytest", str(path), "-q", "-p", "no:cacheprovider",
                            "--rootdir", str(root), "-c", str(root / "pyproject.toml")],
                           cwd=root, env=env, capture_output=True, text=True, timeout=300)
     assert (proc.returncode == 0) is passes, proc.stdout[-2000:]
+    assert passes or "1 failed" in proc.stdout and "mismatch" in proc.stdout.lower(), proc.stdout[-2000:]  # the output
 
 
 # ---------------------------------------------------------------- the in-process runner (no Jupyter kernel)
