@@ -15,7 +15,8 @@ from .validation import positive_int
 _SHORT_NAMES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "fp8": "float8_e4m3fn", "fp64": "float64"}
 
 # state tensors per parameter, in units of the parameter's dtype (8-bit Adam handled apart)
-_STATE_COPIES = {"sgd": 0, "sgd_momentum": 1, "adam": 2, "adamw": 2}
+# (adamw_fused: torch.optim.AdamW(fused=True), the same state, stepped in one kernel without foreach's scratch)
+_STATE_COPIES = {"sgd": 0, "sgd_momentum": 1, "adam": 2, "adamw": 2, "adamw_fused": 2}
 OPTIMIZERS = (*_STATE_COPIES, "adam8bit")
 BNB_BLOCKSIZE = 256  # bitsandbytes' block size for 8-bit optimizer state since 0.44
 BNB_MIN_8BIT_SIZE = 4096  # smaller tensors keep 32-bit state
@@ -100,8 +101,9 @@ def _held_tensors(obj, seen=None):
             yield from _held_tensors(item, seen)
 
 
-def _forward_profile(model: nn.Module, inputs, kwargs) -> dict:
-    """One forward pass in train mode, recording what autograd saves and when."""
+def _forward_profile(model: nn.Module, inputs, kwargs, keep_outputs: bool = True) -> dict:
+    """One forward pass in train mode, recording what autograd saves and when; ``keep_outputs``: the step holds what
+    the model returned through backward and the optimizer step (else only its loss)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"Expected a torch.nn.Module, not {type(model).__name__}.")
     if not inputs and not kwargs:
@@ -150,8 +152,12 @@ def _forward_profile(model: nn.Module, inputs, kwargs) -> dict:
     held = list(_held_tensors(out))
     outs = {storage_key(t): t.untyped_storage().nbytes() for t in held}
     del out
-    output_bytes = sum(v for k, v in outs.items() if k not in seen)
-    for k, v in outs.items():  # saved and returned (a cache's keys and values): not freed by backward
+    # the loop that frees the outputs (`loss_fn(model(x)).backward()`, `model(**batch).loss.backward()`) keeps the
+    # loss alone: a returned tensor of one element; what autograd saved stays either way
+    kept = outs if keep_outputs else {k: v for k, v in outs.items() if v <= 8}
+    held = [t for t in held if storage_key(t) in kept]
+    output_bytes = sum(v for k, v in kept.items() if k not in seen)
+    for k, v in kept.items():  # saved and returned (a cache's keys and values): not freed by backward
         if k in seen:
             segments[seen[k]]["kept"] = segments[seen[k]].get("kept", 0) + v
     largest_output = max(outs.values(), default=0)
@@ -217,12 +223,18 @@ class MemoryEstimate:
     __repr__ = __str__
 
 
-def estimate_training_memory(model: nn.Module, *inputs, optimizer: str = "adam", **kwargs) -> MemoryEstimate:
+def estimate_training_memory(model: nn.Module, *inputs, optimizer: str = "adam", keep_outputs: bool = True,
+                             **kwargs) -> MemoryEstimate:
     """Predict the peak of one training step of ``model`` on ``inputs`` (kwargs go to the model: labels, so that it
     computes its loss, as it trains): the state plus the larger of backward's highest point (a walk back through
-    what one forward pass saved; the step holds the outputs) and the optimizer step (grads + step scratch)."""
+    what one forward pass saved) and the optimizer step (grads + step scratch). ``keep_outputs``: the loop holds the
+    model's outputs through the step (``out = model(x); loss_fn(out).backward()``, the usual loop); False: it frees
+    them before backward (``loss_fn(model(x)).backward()``, ``model(**batch).loss.backward()``), keeping only the
+    loss."""
     opt = normalize_optimizer(optimizer)
-    profile = _forward_profile(model, inputs, kwargs)
+    if not isinstance(keep_outputs, bool):
+        raise TypeError(f"keep_outputs must be True or False, not {keep_outputs!r}.")
+    profile = _forward_profile(model, inputs, kwargs, keep_outputs)
     params = list(model.parameters())
     if not params:
         raise ValueError("The model has no parameters; nothing to train.")

@@ -7,6 +7,7 @@ import platform
 import re
 import sys
 
+import psutil
 import torch
 
 from .units import GIB, KIB, MIB
@@ -25,6 +26,10 @@ ALLOCATOR_RESERVE_FRACTION = 0.05
 # reach about PCIE_EFFICIENCY of it; pageable copies less. The one table the course uses.
 PCIE_GB_PER_S = {"PCIe 3.0 x16": 15.75, "PCIe 4.0 x16": 31.5, "PCIe 5.0 x16": 63.0}
 PCIE_EFFICIENCY = 0.8
+
+# A free Colab runtime's RAM as Python sees it (psutil.virtual_memory().total): MemTotal 13,297,192 kB, printed in
+# Hugging Face's blog "Running IF with diffusers on a Free Tier Google Colab"; Colab's "12.7 GB" is this in GiB.
+COLAB_HOST_BYTES = 13_297_192 * KIB
 
 
 def pcie_seconds(n_bytes: int, link: str = "PCIe 3.0 x16", *, gb_per_s: float | None = None) -> float:
@@ -47,12 +52,14 @@ def pcie_table(n_bytes: int):
                                 "seconds": pcie_seconds(n_bytes, link)} for link, gbs in PCIE_GB_PER_S.items()}).T
 
 
-def gpu_bytes_needed(tensor_peak_bytes: int, compute_capability: tuple[int, int] | None = None) -> int:
+def gpu_bytes_needed(tensor_peak_bytes: int, compute_capability: tuple[int, int] | None = None,
+                     context_bytes: int = CUDA_CONTEXT_BYTES) -> int:
     """Bytes a card must have for a step whose tensors peak at ``tensor_peak_bytes``: tensors + the allocator's reserve
-    + cublas_workspace_bytes(compute_capability) + the CUDA context. Every "fits in N GiB" compares it with the card."""
-    byte_counts(tensor_peak_bytes=tensor_peak_bytes)
+    + cublas_workspace_bytes(compute_capability) + the CUDA context (``context_bytes``: a card's own, measured, else
+    CUDA_CONTEXT_BYTES). Every "fits in N GiB" compares it with the card."""
+    byte_counts(tensor_peak_bytes=tensor_peak_bytes, context_bytes=context_bytes)
     return int(tensor_peak_bytes + round(ALLOCATOR_RESERVE_FRACTION * tensor_peak_bytes)
-               + cublas_workspace_bytes(compute_capability) + CUDA_CONTEXT_BYTES)
+               + cublas_workspace_bytes(compute_capability) + context_bytes)
 
 
 def cublas_workspace_bytes(compute_capability: tuple[int, int] | None = None, handles: int = 2) -> int:
@@ -100,6 +107,12 @@ def supports_bf16() -> bool:
 
 def in_colab() -> bool:
     return "google.colab" in sys.modules or "COLAB_RELEASE_TAG" in os.environ
+
+
+def host_ram_bytes() -> int:
+    """This machine's RAM (what a plan's host side may use): psutil's total; on Colab, where Python sees the
+    runtime's own RAM, that total too (COLAB_HOST_BYTES on the free tier)."""
+    return int(psutil.virtual_memory().total)
 
 
 def course_profile() -> str:
@@ -163,8 +176,6 @@ def gpu_memory_cap(budget_gib: float):
 def hardware_report() -> str:
     """One line: device and its name, memory (the GPU's, else the machine's RAM), compute capability, native bf16,
     profile, Colab."""
-    import psutil
-
     dev, cc = device_type(), compute_capability()
     memory = torch.cuda.get_device_properties(0).total_memory if dev == "cuda" else psutil.virtual_memory().total
     name = {"cuda": gpu_name() or "CUDA GPU", "mps": "Apple GPU (MPS)"}.get(

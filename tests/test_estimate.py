@@ -256,3 +256,84 @@ def test_activation_bytes_work_on_fake_tensors():
         lin = nn.Linear(100, 50)
         x = torch.randn(8, 100)
         assert estimate.activation_bytes(lin, x) == 8 * 100 * 4 + 8 * 50 * 4
+
+
+# ---------------------------------------------------------------- either loop, on models the test above does not use
+WIDE = dict(vocab_size=4096, hidden_size=64, intermediate_size=192, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256)  # a vocabulary 64 widths wide, as today's LLMs
+
+
+def _wide(config_class, **extra):
+    def build():
+        import transformers
+
+        return transformers.AutoModelForCausalLM.from_config(getattr(transformers, config_class)(**{**WIDE, **extra}))
+    return build
+
+
+def _wide_batch(b):
+    ids = torch.randint(0, WIDE["vocab_size"], (b, 64))
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+OTHER_CASES = [
+    ("llama", _wide("LlamaConfig"), _wide_batch, 4),
+    ("gemma2, logit soft-capping", _wide("Gemma2Config", head_dim=16), _wide_batch, 4),
+    ("qwen2", _wide("Qwen2Config"), _wide_batch, 4),
+    ("t5, 3 layers", lambda: __import__("transformers").T5ForConditionalGeneration(__import__("transformers").T5Config(
+        vocab_size=4096, d_model=64, d_kv=16, d_ff=128, num_layers=3, num_heads=4, decoder_start_token_id=0)),
+     lambda b: {"input_ids": torch.randint(0, 4096, (b, 64)), "decoder_input_ids": (t := torch.randint(0, 4096, (b, 32))),
+                "labels": t.clone()}, 4),
+    ("vit", lambda: timm.create_model("vit_tiny_patch16_224", img_size=64, num_classes=10),
+     lambda b: {"x": torch.randn(b, 3, 64, 64)}, 8),
+    ("convnext", lambda: timm.create_model("convnext_atto", num_classes=10), lambda b: {"x": torch.randn(b, 3, 64, 64)}, 8),
+    ("mobilenetv3", lambda: timm.create_model("mobilenetv3_small_050", num_classes=10),
+     lambda b: {"x": torch.randn(b, 3, 96, 96)}, 8),
+]
+
+
+def _measure_loop(model, opt, batch, keep_outputs):
+    """The whole step as either loop writes it: holding the outputs (``out = model(...)``) or not."""
+    def step():
+        inputs = {k: v.clone() for k, v in batch.items()}
+        if "x" in inputs:
+            target = torch.zeros(len(inputs["x"]), dtype=torch.long)
+            if keep_outputs:
+                out = model(inputs["x"])
+                loss = nn.functional.cross_entropy(out, target)
+            else:
+                loss = nn.functional.cross_entropy(model(inputs["x"]), target)
+        elif keep_outputs:
+            out = model(**inputs)
+            loss = out.loss
+        else:
+            loss = model(**inputs).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()
+    return measure_memory(step, model=model, optimizer=opt)
+
+
+@pytest.mark.filterwarnings("ignore:Module is None:UserWarning")
+@pytest.mark.parametrize("keep_outputs", [True, False], ids=["outputs kept", "outputs freed"])
+@pytest.mark.parametrize("name, build, make_batch, batch_size", OTHER_CASES, ids=[c[0] for c in OTHER_CASES])
+def test_estimate_within_2_percent_for_either_loop(name, build, make_batch, batch_size, keep_outputs):
+    torch.manual_seed(0)
+    model, batch = build(), make_batch(batch_size)
+    measured = _measure_loop(model, torch.optim.Adam(model.parameters(), lr=1e-4), batch, keep_outputs)
+
+    def estimate_with(keep):
+        if "x" in batch:
+            return estimate.estimate_training_memory(model, batch["x"], keep_outputs=keep).peak_bytes
+        return estimate.estimate_training_memory(model, keep_outputs=keep, **batch).peak_bytes
+    error = estimate_with(keep_outputs) / measured.peak_bytes - 1
+    assert abs(error) <= 0.02, f"{name}: {error:+.1%}"
+    if name.startswith(("llama", "gemma2")) and not keep_outputs:  # the loop matters where the logits are large
+        assert estimate_with(True) / measured.peak_bytes - 1 > 0.05
+
+
+def test_keep_outputs_must_be_a_bool():
+    with pytest.raises(TypeError, match="keep_outputs must be True or False"):
+        estimate.estimate_training_memory(nn.Linear(2, 2), torch.ones(1, 2), keep_outputs="no")

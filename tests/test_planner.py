@@ -1,6 +1,7 @@
 """Tests of course_utils.planner: presets, attention as each device runs it, validation against measure_memory (every
 setting, the whole optimizer step, and the capstone's fake-tensor step: tests/test_protocol.py), the search, bad
 input."""
+import dataclasses
 import json
 import math
 import warnings
@@ -18,15 +19,21 @@ warnings.filterwarnings("ignore", message=".*FakeTensor.*")
 
 
 # ---------------------------------------------------------------- presets
-def test_gpu_presets_memory_aliases_and_links():
-    assert planner.get_gpu("RTX 3060 (12 GB)").memory_bytes == 12 * GIB
+def test_gpu_presets_carry_what_pytorch_can_allocate_with_its_source():
+    # the memory PyTorch can allocate (torch.cuda.get_device_properties(0).total_memory), not the box's size
+    assert planner.get_gpu("t4").memory_bytes == round(14.56 * GIB)  # Colab's T4 in 2026: 14.56 GiB, not 15
+    assert planner.get_gpu("RTX 3060 (12 GB)").memory_bytes == 11931 * 2**20
+    assert planner.get_gpu("A100 (40 GB)").memory_bytes == 42_298_834_944
+    for name, gpu in planner.gpu_presets().items():
+        assert gpu.memory_bytes < gpu.advertised_bytes, name  # no preset claims more than CUDA gives
+        assert gpu.advertised_bytes - gpu.memory_bytes < 1.2 * GIB, name
+        assert "total" in gpu.memory_source and "context" in gpu.memory_source, name
+        assert 0.1 * GIB < gpu.context_bytes <= hardware.CUDA_CONTEXT_BYTES, name
+    assert planner.get_gpu("T4").context_bytes == round(0.13 * 1024) * 2**20  # measured from T4 OOM messages
     assert planner.get_gpu("3060") is planner.gpu_presets()["RTX 3060 (12 GB)"]
-    assert planner.get_gpu("t4").memory_bytes == 15 * GIB
-    assert planner.get_gpu("GTX 1080 Ti (11 GB)").memory_bytes == 11 * GIB
-    assert planner.get_gpu("A100 (80 GB)").memory_bytes == 80 * GIB
     assert planner.get_gpu(6).memory_bytes == 6 * GIB
     assert not planner.get_gpu("T4").bf16 and planner.get_gpu("A100 (40 GB)").bf16
-    assert len(planner.gpu_presets()) == 8
+    assert len(planner.gpu_presets()) == 11
     # one PCIe table: the course's, scaled by the efficiency of pinned copies
     t4 = planner.get_gpu("T4")
     assert t4.pcie == "PCIe 3.0 x16"
@@ -288,7 +295,7 @@ def test_custom_model_and_frame():
     assert plan.by_category["params"] == 350_000_000 * 4
     frame = planner.plan_frame({"custom": plan})
     assert list(frame.columns)[:6] == list(planner.CATEGORIES)
-    assert math.isclose(frame.loc["custom", "gpu_GiB"], 15.0)
+    assert math.isclose(frame.loc["custom", "gpu_GiB"], planner.get_gpu("T4").memory_gib)
     with pytest.raises(ValueError, match="plans is empty"):
         planner.plan_frame({})
 
@@ -345,7 +352,7 @@ GPT2_XL_SMALL_CARDS = {}
 
 @pytest.mark.parametrize("gib", [2, 4, 6])
 def test_cheapest_set_for_gpt2_xl_on_small_cards(gib):
-    rec = planner.cheapest_fit("gpt2-xl", gib, micro_batch=4, size=1024)
+    rec = planner.cheapest_fit("gpt2-xl", gib, micro_batch=4, size=1024, host_gib=math.inf)
     GPT2_XL_SMALL_CARDS[gib] = rec
     print(f"{gib} GiB: {rec.techniques}, {rec.plan.peak_bytes / GIB:.2f} GiB, {rec.plan.step_seconds:.2f} s")
     assert rec.plan.fits and rec.plan.peak_bytes == hardware.gpu_bytes_needed(rec.plan.tensor_peak_bytes)
@@ -358,7 +365,7 @@ def test_cheapest_set_for_gpt2_xl_on_small_cards(gib):
     assert rec.plan.host_bytes >= 16 * planner.get_model("gpt2-xl").n_params
     assert any("host RAM" in note for note in rec.plan.notes)
     with pytest.raises(ValueError, match="Nothing fits"):
-        planner.cheapest_fit("gpt2-xl", 0.5, micro_batch=4, size=1024)
+        planner.cheapest_fit("gpt2-xl", 0.5, micro_batch=4, size=1024, host_gib=math.inf)
 
 
 def test_the_search_never_fuses_the_update_with_fp16s_loss_scaling():
@@ -371,14 +378,14 @@ def test_the_search_never_fuses_the_update_with_fp16s_loss_scaling():
 
 
 def test_cheapest_fit_within_a_host_ram_budget():
-    free = planner.cheapest_fit("gpt2-xl", 2, micro_batch=4, size=1024)
+    free = planner.cheapest_fit("gpt2-xl", 2, micro_batch=4, size=1024, host_gib=math.inf)
     within = planner.cheapest_fit("gpt2-xl", 2, micro_batch=4, size=1024, host_gib=32)
     assert free.plan.host_bytes > 32 * GIB >= within.plan.host_bytes and within.plan.fits
     # when the card could hold a plan but the host cannot, the message names host RAM, not the card
-    with pytest.raises(ValueError, match=r"Nothing fits in 1 GiB of host RAM.*fits only with the host holding"):
+    with pytest.raises(ValueError, match=r"Nothing fits in 1.0 GiB of host RAM.*fits only with the host holding"):
         planner.cheapest_fit("gpt2-xl", 2, micro_batch=4, size=1024, host_gib=1)
     assert within.plan.step_seconds >= free.plan.step_seconds
-    with pytest.raises(ValueError, match="allow more host RAM than 8 GiB"):
+    with pytest.raises(ValueError, match="allow more host RAM than 8.0 GiB"):
         planner.cheapest_fit("gpt2-xl", 2, micro_batch=4, size=1024, host_gib=8)
     with pytest.raises(ValueError, match="host_gib must be a positive"):
         planner.cheapest_fit("gpt2-xl", 2, micro_batch=4, size=1024, host_gib=-1)
@@ -388,9 +395,14 @@ def test_the_overhead_counts_cublas_workspaces_of_the_gpu_planned_for():
     settings = dict(micro_batch=2, size=512)
     t4, h100 = planner.predict("gpt2", "T4", **settings), planner.predict("gpt2", "H100 (80 GB)", **settings)
     assert t4.tensor_peak_bytes == h100.tensor_peak_bytes
-    assert t4.by_category["overhead"] == hardware.gpu_bytes_needed(t4.tensor_peak_bytes, (7, 5)) - t4.tensor_peak_bytes
-    # cuBLAS keeps 32 MiB per handle from compute capability 9.0, 8 MiB + 128 KiB before: 2 handles
-    assert h100.by_category["overhead"] - t4.by_category["overhead"] == 2 * (32 * 2**20 - (8 * 2**20 + 128 * 2**10))
+    assert t4.by_category["overhead"] == hardware.gpu_bytes_needed(
+        t4.tensor_peak_bytes, (7, 5), t4.gpu.context_bytes) - t4.tensor_peak_bytes
+    # cuBLAS keeps 32 MiB per handle from compute capability 9.0, 8 MiB + 128 KiB before: 2 handles; each card its context
+    assert h100.by_category["overhead"] - t4.by_category["overhead"] == 2 * (32 * 2**20 - (8 * 2**20 + 128 * 2**10)) + (
+        h100.gpu.context_bytes - t4.gpu.context_bytes)
+    assert t4.overhead_parts["workspaces"] == hardware.cublas_workspace_bytes((7, 5))
+    assert t4.overhead_parts["context"] == t4.gpu.context_bytes
+    assert sum(t4.overhead_parts.values()) == t4.by_category["overhead"]
     assert planner.custom_gpu(6, compute_capability=(8, 6)).compute_capability == (8, 6)
     with pytest.raises((TypeError, ValueError)):
         planner.custom_gpu(6, compute_capability=(8,))
@@ -430,7 +442,7 @@ def test_notebook_10s_optimizers_refuse_what_they_cannot_price(knobs, match):
 
 def test_cheapest_fit_chooses_notebook_10s_optimizers_when_asked(tmp_path, monkeypatch):
     monkeypatch.setenv("COURSE_RESULTS_DIR", str(tmp_path))
-    kw = dict(micro_batch=8, size=1024, host_gib=4)
+    kw = dict(micro_batch=8, size=1024, host_gib=16)
     usual = planner.cheapest_fit("gpt2-xl", "RTX 3060 (12 GB)", **kw)
     wider = planner.cheapest_fit("gpt2-xl", "RTX 3060 (12 GB)", optimizers=("adam8bit", *planner.BEYOND_ADAM), **kw)
     assert usual.plan.settings.optimizer in ("adam", "adam8bit")  # the default search is 02-09's
@@ -446,3 +458,111 @@ def test_cheapest_fit_chooses_notebook_10s_optimizers_when_asked(tmp_path, monke
     ns, source = planner.cpu_step_ns("lion")
     assert ns == 123.0 and "measured on this machine by notebook 10_beyond_adam" in source
     assert any("lion, 123.00 ns/parameter" in note for note in planner.predict("gpt2-xl", **host).notes)
+
+
+# ---------------------------------------------------------------- held to the world: ranges, verdicts, counters, host
+def test_a_plan_carries_a_range_and_fits_only_when_its_high_end_fits():
+    low_frac, high_frac = planner.plan_spread()
+    assert low_frac < 0 < high_frac
+    plan = planner.predict("gpt2-xl", "RTX 3060 (12 GB)", micro_batch=4, size=1024, precision="bf16",
+                           checkpointing="block", master_on_cpu=True)
+    low, expected, high = plan.range_bytes
+    assert low < expected == plan.peak_bytes < high and high == round(expected * (1 + high_frac))
+    # a card between the expected peak and the high end: tight, not fitting, and the text says by how much
+    tight = dataclasses.replace(plan.gpu, memory_bytes=(expected + high) // 2)
+    plan = planner.predict("gpt2-xl", tight, micro_batch=4, size=1024, precision="bf16", checkpointing="block",
+                           master_on_cpu=True)
+    assert plan.verdict == "tight" and not plan.fits and "TIGHT (the high end is" in str(plan)
+    roomy = dataclasses.replace(plan.gpu, memory_bytes=high + 1)
+    assert planner.predict("gpt2-xl", roomy, micro_batch=4, size=1024, precision="bf16", checkpointing="block",
+                           master_on_cpu=True).verdict == "fits"
+    assert planner.predict("gpt2-xl", 2, micro_batch=4, size=1024).verdict == "does not fit"
+
+
+def test_a_plan_says_what_each_counter_would_show():
+    plan = planner.predict("llama-3.2-3b", "A100 (80 GB)", micro_batch=2, size=1024, precision="bf16",
+                           master_weights=False)
+    f = plan.figures
+    assert f["max_memory_allocated"] == plan.tensor_peak_bytes + hardware.cublas_workspace_bytes((8, 0))
+    assert f["max_memory_reserved"] == f["max_memory_allocated"] + plan.overhead_parts["reserve"]
+    assert f["nvidia-smi"] == f["max_memory_reserved"] + plan.gpu.context_bytes == plan.peak_bytes
+    assert "max_memory_reserved" in str(plan) and "host RAM it needs: 0.0 GiB" in str(plan)
+    assert set(planner.predict("gpt2", device="cpu", micro_batch=1).figures) == {"max_memory_allocated"}
+
+
+def test_pure_16_bit_without_a_master_keeps_the_state_in_16_bits():
+    n = planner.get_model("llama-3.2-3b").n_params
+    kw = dict(micro_batch=1, size=256, precision="bf16")
+    master, bare = (planner.predict("llama-3.2-3b", "A100 (80 GB)", master_weights=m, **kw) for m in (True, False))
+    assert master.by_category["optimizer"] == pytest.approx(12 * n, rel=1e-3)  # fp32 master + fp32 m and v
+    assert bare.by_category["optimizer"] == pytest.approx(4 * n, rel=1e-3)  # bf16 m and v, no master
+    assert "pure bf16 weights, no master copy" in bare.settings.techniques()
+    with pytest.raises(ValueError, match="precision='bf16' or 'fp16'"):
+        planner.predict("gpt2", micro_batch=1, master_weights=False)
+    with pytest.raises(ValueError, match="master_on_cpu"):
+        planner.predict("gpt2", micro_batch=1, precision="bf16", master_weights=False, master_on_cpu=True)
+
+
+def test_a_paged_optimizers_state_is_outside_the_allocator():
+    n = planner.get_model("llama-2-7b").n_params
+    kw = dict(micro_batch=2, size=512, precision="bf16", master_weights=False, checkpointing="block")
+    plain = planner.predict("llama-2-7b", "A100 (80 GB)", optimizer="adam8bit", **kw)
+    paged = planner.predict("llama-2-7b", "A100 (80 GB)", optimizer="adam8bit", paged_optimizer=True, **kw)
+    # bitsandbytes pages m and v of every tensor of 100,000 values or more; their absmax stay ordinary tensors
+    sizes = planner.model.tensor_sizes(paged.model)
+    assert paged.paged_bytes == 2 * sum(x for x in sizes if x >= 100_000) > 1.9 * n
+    assert plain.by_category["optimizer"] - paged.by_category["optimizer"] == paged.paged_bytes
+    assert paged.figures["max_memory_allocated"] == plain.figures["max_memory_allocated"] - paged.paged_bytes
+    assert paged.figures["nvidia-smi"] == paged.peak_bytes + paged.paged_bytes  # the card holds it all here
+    # on a card too small for the state beside the rest, it pages to the host and back each step
+    kw.update(micro_batch=1, size=256, fused_update=True)  # torchtune's low-memory recipe: the step in backward
+    small = planner.predict("llama-2-7b", "RTX 4090 (24 GB)", optimizer="adamw", paged_optimizer=True, **kw)
+    assert small.paged_bytes == 8 * sum(x for x in sizes if x >= 100_000)  # 32-bit state: fp32 m and v
+    assert small.host_bytes > 0 and any("pages to the host" in note for note in small.notes)
+    assert small.figures["nvidia-smi"] <= small.gpu.memory_bytes
+    assert small.step_seconds > planner.predict("llama-2-7b", "A100 (80 GB)", optimizer="adamw",
+                                                paged_optimizer=True, **kw).step_seconds
+    with pytest.raises(ValueError, match="CUDA unified memory"):
+        planner.predict("llama-2-7b", micro_batch=1, precision="bf16", master_weights=False, paged_optimizer=True,
+                        device="cpu", attention="math")
+    with pytest.raises(ValueError, match="PagedAdamW"):
+        planner.predict("gpt2", micro_batch=1, optimizer="sgd", paged_optimizer=True)
+
+
+def test_adapters_say_what_to_change():
+    with pytest.raises(ValueError, match="adapter_dtype"):
+        planner.predict("llama-3.2-1b", micro_batch=1, lora_rank=8, adapter_dtype="int8")
+    with pytest.raises(ValueError, match="lora_dropout is a probability"):
+        planner.predict("llama-3.2-1b", micro_batch=1, lora_rank=8, lora_dropout=1.5)
+    with pytest.raises(ValueError, match="set lora_rank too"):
+        planner.predict("llama-3.2-1b", micro_batch=1, adapter_dtype="bf16")
+    with pytest.raises(ValueError, match="carries no transformers config"):
+        planner.predict("gpt2", micro_batch=1, lora_rank=8, adapter_dtype="bf16")
+
+
+def test_lora_targets_change_the_activations_not_only_the_adapters():
+    kw = dict(micro_batch=4, size=768, precision="bf16", lora_rank=8)
+    every = planner.predict("llama-3.2-3b", "L40S", **kw)
+    qv = planner.predict("llama-3.2-3b", "L40S", lora_targets=("q_proj", "v_proj"), **kw)
+    # q and v alone: no fp32 copy of the inputs of k, o and the MLP's three; about 6.5 GiB less at 4 x 768
+    saved = (every.by_category["activations"] - qv.by_category["activations"]) / GIB
+    assert 5.5 < saved < 7.5, saved
+
+
+def test_host_ram_defaults_to_this_machine_and_colab_is_named():
+    assert hardware.host_ram_bytes() > 0
+    assert planner.search.host_limit_bytes() == hardware.host_ram_bytes()
+    assert planner.search.host_limit_bytes(math.inf) == math.inf
+    assert hardware.COLAB_HOST_BYTES / GIB == pytest.approx(12.68, abs=0.01)  # Colab's "12.7 GB"
+    with pytest.raises(ValueError, match="host_gib"):
+        planner.search.host_limit_bytes(0)
+
+
+def test_the_search_weighs_micro_batches_of_1_and_2():
+    from course_utils.planner.search import candidate_settings
+
+    spec = planner.get_model("llama-3.1-8b")
+    tried = list(candidate_settings(planner.make_settings(spec, micro_batch=6, size=1024, lora_rank=16), planner.get_gpu(
+        "T4"), spec))
+    assert {s.micro_batch for s in tried} == {1, 2, 3, 6}
+    assert {(s.micro_batch, s.accumulation) for s in tried} >= {(1, 6), (2, 3)}

@@ -84,9 +84,13 @@ def to_nf4(net, double):
 
 def llm_step(host, *, config, micro_batch, size, accumulation=1, precision="fp32", optimizer="adam",
              checkpointing="none", lora_rank=None, quantize_base=None, peft=True, master_on_cpu=False,
-             stream_grads=False, fused_update=False, offload_activations=False, chunked_loss=False):
-    """The whole optimizer step of a tiny transformers causal LM: ``(step, model, optimizer)``; LoRA by peft (all
-    linear layers of the blocks) or, on fake tensors, by :class:`LoRALinear`; QLoRA on bitsandbytes' NF4 layers."""
+             stream_grads=False, fused_update=False, offload_activations=False, chunked_loss=False,
+             lora_targets=None, adapter_dtype="fp32", lora_dropout=0.0, master_weights=True, set_to_none=True,
+             keep_outputs=True):
+    """The whole optimizer step of a tiny transformers causal LM: ``(step, model, optimizer)``; LoRA by peft (the
+    blocks' linear layers in ``lora_targets``, all by default; fp32 adapters as peft makes them over 16-bit weights,
+    or in the weights' dtype for ``adapter_dtype='bf16'``; ``lora_dropout``) or, on fake tensors, by
+    :class:`LoRALinear`; QLoRA on bitsandbytes' NF4 layers."""
     torch.manual_seed(0)
     # a CPU computes in bf16: fp16's bytes
     net = llm.build_causal_lm(config, attention="math", n_layers=None,
@@ -97,8 +101,10 @@ def llm_step(host, *, config, micro_batch, size, accumulation=1, precision="fp32
     if lora_rank and peft:
         import peft as peft_lib
 
-        net = peft_lib.get_peft_model(net, peft_lib.LoraConfig(r=lora_rank, lora_alpha=16, lora_dropout=0.0,
-                                                               target_modules="all-linear"))
+        net = peft_lib.get_peft_model(net, peft_lib.LoraConfig(
+            r=lora_rank, lora_alpha=16, lora_dropout=lora_dropout,
+            target_modules=list(lora_targets) if lora_targets else "all-linear"),
+            autocast_adapter_dtype=adapter_dtype == "fp32")
     elif lora_rank:
         net.requires_grad_(False)
         llm.replace_linears(net, functools.partial(LoRALinear, rank=lora_rank))
@@ -107,12 +113,14 @@ def llm_step(host, *, config, micro_batch, size, accumulation=1, precision="fp32
     x = torch.randint(0, config.vocab_size, (micro_batch, size))
     params = [p for p in net.parameters() if p.requires_grad]
     update, opt = make_update(params, host, precision=precision, optimizer=optimizer, master_on_cpu=master_on_cpu,
-                              stream_grads=stream_grads, fused_update=fused_update)
+                              stream_grads=stream_grads, fused_update=fused_update, set_to_none=set_to_none,
+                              # 16-bit adapters step as they are (torchtune's), as pure 16-bit weights without a master
+                              master_weights=master_weights and not (lora_rank and adapter_dtype != "fp32"))
     forward = functools.partial(net, input_ids=x, labels=x)
     if chunked_loss:
         net = Chunked(net)
         forward = functools.partial(net, x)
-    step = whole_step(forward, update, accumulation=accumulation, precision=precision,
+    step = whole_step(forward, update, accumulation=accumulation, precision=precision, keep_outputs=keep_outputs,
                       offload=offload_hooks(net, host) if offload_activations else None)
     model = with_master(net, opt)
     return step, (nn.ModuleDict(dict(model=model, held=held)) if held is not None else model), opt
@@ -189,6 +197,41 @@ def test_full_fine_tuning_of_each_family(family):
 ])
 def test_full_fine_tuning_settings(family, name, toggle, rest):
     check(family, name, toggle, {}, **rest)
+
+
+@pytest.mark.parametrize("family,name,toggle,rest", [
+    # only an adapted layer saves its input for the adapter (peft casts it to fp32: a copy per adapted layer)
+    ("llama", "LoRA on q_proj and v_proj only", dict(lora_targets=("q_proj", "v_proj")),
+     dict(STEP, precision="bf16", lora_rank=8)),
+    ("qwen2", "LoRA on the MLP only", dict(lora_targets=("gate_proj", "up_proj", "down_proj")),
+     dict(STEP, precision="bf16", lora_rank=8)),
+    # bf16 adapters over bf16 weights (torchtune's): no fp32 copy of any input, bf16 state
+    ("mistral", "bf16 adapters", dict(adapter_dtype="bf16"), dict(STEP, precision="bf16", lora_rank=8)),
+    # dropout on each adapter's input keeps a mask and the dropped input
+    pytest.param("gemma2", "LoRA dropout 0.1", dict(lora_dropout=0.1), dict(STEP, precision="bf16", lora_rank=8),
+                 marks=pytest.mark.slow),
+    # pure bf16 without an fp32 master: weights, gradients and AdamW's state all in bf16 (torchtune's, PEFT's)
+    ("phi3", "pure bf16, no master copy", dict(master_weights=False), dict(STEP, precision="bf16")),
+    # zero_grad(set_to_none=False): last step's gradients, zeroed, are there when backward starts
+    ("llama", "gradients kept as zeros", dict(set_to_none=False), dict(micro_batch=2, size=64)),
+])
+def test_the_settings_practitioners_use(family, name, toggle, rest):
+    check(family, name, toggle, {}, fake=False, **rest)
+
+
+def test_fused_adamw_keeps_no_foreach_copy_of_the_state():
+    spec, config = twin_spec("llama"), twin("llama")
+    settings = dict(micro_batch=1, size=8, precision="bf16", master_weights=False)
+    measured = step_peak(False, config=config, optimizer="adamw_fused", **settings)
+    fused = planner.predict(spec, device="cpu", optimizer="adamw_fused", **settings)
+    assert abs(fused.tensor_peak_bytes - measured) <= TOLERANCE * measured, (fused.tensor_peak_bytes, measured)
+    # on a GPU, foreach AdamW's step holds one more copy of the state (torch._foreach_sqrt of v); fused holds none
+    gpu = dict(settings, size=1024)
+    foreach = planner.predict("llama-3.2-3b", "A100 (80 GB)", optimizer="adamw", **gpu)
+    fused = planner.predict("llama-3.2-3b", "A100 (80 GB)", optimizer="adamw_fused", **gpu)
+    n = foreach.model.n_params
+    assert foreach.phase == "in optimizer.step()" and foreach.by_category["other"] == 2 * n  # v's copy, in bf16
+    assert fused.tensor_peak_bytes < foreach.tensor_peak_bytes - 1.9 * n
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -310,3 +353,37 @@ def test_hf_spec_reads_a_config_json_a_dict_or_a_config(tmp_path):
         planner.hf_spec({"hidden_size": 64})
     with pytest.raises(ValueError, match="Unknown model"):
         planner.hf_spec("no-such-model")
+
+
+@pytest.mark.parametrize("vary,values,settings", [
+    ("size", (64, 80), dict(micro_batch=4, precision="fp32")),
+    ("micro_batch", (4, 5), dict(size=32, precision="fp32")),
+    ("lora_rank", (16, 24), dict(micro_batch=4, size=32, precision="fp32")),
+])
+def test_largest_fit_finds_the_step_that_fits_on_the_cpu_twin(vary, values, settings):
+    """A budget between the planner's peaks at two values: the largest that fits is the smaller, and the measured
+    step at it fits the budget while the measured step one step more does not."""
+    spec, config = twin_spec("llama"), twin("llama")
+    step = values[1] - values[0]
+    small, large = (planner.predict(spec, device="cpu", **settings, **{vary: v}).tensor_peak_bytes for v in values)
+    budget = (small + large) // 2
+    found = planner.largest_fit(spec, planner.custom_gpu(budget / 2**30), vary, step=step, device="cpu",
+                                host_gib=math.inf, **settings)
+    assert found.expected == values[0], str(found)
+    assert found.value <= found.expected <= found.optimistic
+    measured = [step_peak(False, config=config, **settings, **{vary: v}) for v in values]
+    assert measured[0] <= budget < measured[1], (measured, budget)
+
+
+def test_largest_fit_says_what_to_change():
+    with pytest.raises(ValueError, match="vary must be one of"):
+        planner.largest_fit("llama-3.2-1b", "T4", "depth", micro_batch=1)
+    with pytest.raises(ValueError, match="leave it out"):
+        planner.largest_fit("llama-3.2-1b", "T4", "size", micro_batch=1, size=1024)
+    with pytest.raises(ValueError, match="step must be"):
+        planner.largest_fit("llama-3.2-1b", "T4", "size", micro_batch=1, step=0)
+    nothing = planner.largest_fit("llama-3.1-8b", 4, "size", micro_batch=1, precision="bf16")  # 16 GB of weights
+    assert nothing.value is nothing.expected is nothing.optimistic is None and "nothing fits" in str(nothing)
+    found = planner.largest_fit("llama-3.1-8b", "RTX 4090", "size", step=256, micro_batch=1, precision="bf16",
+                                lora_rank=16, quantize_base="nf4", checkpointing="block")
+    assert found.plan.fits and found.value % 256 == 0 and "the largest" in str(found)

@@ -132,11 +132,13 @@ def held_by(optimizer):
 
 
 def make_update(params, host, *, precision="fp32", optimizer="adam", master_on_cpu=False, stream_grads=False,
-                fused_update=False, named=None, shape=(0, 0)):
+                fused_update=False, named=None, shape=(0, 0), master_weights=True, set_to_none=True):
     """``(optimizer_step, optimizer)`` for ``params`` after backward: on the device (Adam, 8-bit Adam, SGD; pure half
     precision steps an fp32 master copy tensor by tensor), on the host (``master_on_cpu``: gradients leave, NumPy's Adam
     steps, the weights come back; ``stream_grads``: each gradient leaves as soon as backward completes it), or in
-    backward (``fused_update``: each parameter steps as soon as its gradient is complete)."""
+    backward (``fused_update``: each parameter steps as soon as its gradient is complete). ``master_weights=False``:
+    pure 16-bit weights stepped as they are (the state in their dtype); ``set_to_none=False``: the gradients are zeroed
+    and kept between steps, as ``zero_grad(set_to_none=False)`` does."""
     if master_on_cpu:
         weights = [host.fp32(p.detach().clone()) for p in params]  # a clone: NumPy's view would pin p's storage
         grads = [None if host.fake else np.zeros_like(w) for w in weights]
@@ -160,7 +162,8 @@ def make_update(params, host, *, precision="fp32", optimizer="adam", master_on_c
                     host.load(p, w)
         host_step.weights = dict(zip(params, weights))
         return host_step, None
-    half = precision in ("fp16", "bf16") and optimizer != "adamw_bf16_sr"  # stochastic rounding: no master
+    # an fp32 master copy for 16-bit weights, unless told (stochastic rounding: none either)
+    half = precision in ("fp16", "bf16") and optimizer != "adamw_bf16_sr" and master_weights
     targets = nn.ParameterList(p.detach().float() for p in params) if half else params  # fp32 master weights
     if optimizer in planner.BEYOND_ADAM:
         opt = beyond_adam(optimizer, named, *shape)
@@ -170,7 +173,8 @@ def make_update(params, host, *, precision="fp32", optimizer="adam", master_on_c
         with unset_fake_temporarily():  # its quantization map is made from real numbers
             opt = bnb.optim.Adam8bit(targets, lr=1e-3)
     else:
-        opt = {"adam": torch.optim.AdamW, "sgd": torch.optim.SGD,
+        opt = {"adam": torch.optim.AdamW, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD,
+               "adamw_fused": functools.partial(torch.optim.AdamW, fused=True),
                "sgd_momentum": functools.partial(torch.optim.SGD, momentum=0.9)}[optimizer](targets, lr=1e-3)
     if fused_update:
         def step_now(p):
@@ -182,7 +186,7 @@ def make_update(params, host, *, precision="fp32", optimizer="adam", master_on_c
     if not half:
         def device_step():
             opt.step()
-            opt.zero_grad(set_to_none=True)
+            opt.zero_grad(set_to_none=set_to_none)
         return device_step, opt
 
     def master_step():  # tensor by tensor: one fp32 gradient at a time

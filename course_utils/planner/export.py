@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .adapters import targeted
-from .model import Plan
+from .plan import Plan
 
 # where the course's own loop runs what a library's config cannot say
 NOTEBOOK = {"master_on_cpu": "06_capstone_gpt2_xl", "stream_grads": "06_capstone_gpt2_xl",
@@ -15,7 +15,8 @@ NOTEBOOK = {"master_on_cpu": "06_capstone_gpt2_xl", "stream_grads": "06_capstone
             "chunked_loss": "08_current_toolbox", "fused_update": "08_current_toolbox"}
 LAYER_CLASS = {"gpt2": "GPT2Block", "llama": "LlamaDecoderLayer", "qwen2": "Qwen2DecoderLayer", "mistral":
                "MistralDecoderLayer", "gemma2": "Gemma2DecoderLayer", "phi3": "Phi3DecoderLayer", "bert": "BertLayer"}
-TRAINER_OPTIM = {"adam": "adamw_torch", "adamw": "adamw_torch", "adam8bit": "adamw_bnb_8bit", "sgd": "sgd",
+TRAINER_OPTIM = {"adam": "adamw_torch", "adamw": "adamw_torch", "adamw_fused": "adamw_torch_fused",
+                 "adam8bit": "adamw_bnb_8bit", "sgd": "sgd",
                  "sgd_momentum": "sgd", "adafactor": "adafactor", "lion": "lion_32bit"}
 AMP = {"bf16_amp": "bf16", "fp16_amp": "fp16"}
 
@@ -154,7 +155,7 @@ def to_deepspeed(plan: Plan, stage: int | None = None) -> dict:
               "wall_clock_breakdown": False, **{k: {"enabled": s.precision == k} for k in ("bf16", "fp16")}}
     if s.precision in AMP:
         config["torch_autocast"] = {"enabled": True, "dtype": {"bf16": "bfloat16", "fp16": "float16"}[half]}
-    if s.optimizer in ("adam", "adamw", "lion"):
+    if s.optimizer in ("adam", "adamw", "adamw_fused", "lion"):
         config["optimizer"] = {"type": "Lion" if s.optimizer == "lion" else "AdamW", "params": {"lr": 1e-4}}
     if s.checkpointing != "none":
         config["activation_checkpointing"] = {"partition_activations": False, "contiguous_memory_optimization": False,
@@ -213,6 +214,7 @@ for _ in range(STEPS):  # the first step makes the optimizer's state: the last o
 print(f"measured peak: {{report.peak_bytes}} bytes ({{format_bytes(report.peak_bytes)}}); planned: {planned} bytes")
 """
 SCRIPT_OPTIM = dict(adam="torch.optim.AdamW(masters, lr=1e-4)", adamw="torch.optim.AdamW(masters, lr=1e-4)",
+                    adamw_fused="torch.optim.AdamW(masters, lr=1e-4, fused=True)",
                     adam8bit="bnb.optim.Adam8bit(masters, lr=1e-4)", sgd="torch.optim.SGD(masters, lr=1e-2)",
                     sgd_momentum="torch.optim.SGD(masters, lr=1e-2, momentum=0.9)")
 

@@ -19,7 +19,7 @@ from torch import nn
 
 from .. import models
 from .measure import KINDS, measure_acts, transformer_data
-from .specs import ModelSpec, spec_from_data
+from .specs import ActCoeffs, ModelSpec, act_coeffs, spec_from_data
 
 DEFAULT_SIZE = 1024  # the sequence length a plan uses unless told
 # samples per measured forward: with one, a reshape of a sliced fused projection (Phi-3's qkv) stays a view and
@@ -109,28 +109,34 @@ def block_linears(block: nn.Module) -> tuple:
     return tuple((name, m.in_features, m.out_features) for name, m in block.named_modules() if isinstance(m, nn.Linear))
 
 
-def replace_linears(model: nn.Module, make) -> None:
-    """Each linear layer of the decoder blocks replaced by ``make(linear)`` (an adapter around it, a 4-bit copy)."""
+def replace_linears(model: nn.Module, make, only=None) -> None:
+    """Each linear layer of the decoder blocks replaced by ``make(linear)`` (an adapter around it, a 4-bit copy);
+    ``only``: a block's layer names (as :func:`block_linears` gives them) to replace, None: all."""
     for block in blocks_of(model):
-        for module in list(block.modules()):
+        for path, module in list(block.named_modules()):
             for name, child in list(module.named_children()):
-                if isinstance(child, nn.Linear):
+                if isinstance(child, nn.Linear) and (only is None or f"{path}.{name}".lstrip(".") in only):
                     setattr(module, name, make(child))
 
 
-class RankOne(nn.Module):
-    """A frozen linear layer plus a rank-1 fp32 adapter, computed as peft computes LoRA (the input cast to the adapter's
-    dtype): what the planner measures LoRA's activations with (the rank's own share it adds)."""
+ADAPTER_DTYPES = ("fp32", "bf16", "fp16")
 
-    def __init__(self, base):
+
+class RankOne(nn.Module):
+    """A frozen linear layer plus a rank-1 adapter, computed as peft computes LoRA: the input cast to the adapter's
+    dtype (``dtype``; peft's default is fp32 over 16-bit weights), through ``dropout``, then ``lora_A`` and
+    ``lora_B``. What the planner measures LoRA's activations with (the rank's own share it adds)."""
+
+    def __init__(self, base, dtype=torch.float32, dropout: float = 0.0):
         super().__init__()
         self.base = base
-        with models.default_dtype(torch.float32):
+        with models.default_dtype(dtype):
             self.lora_A = nn.Linear(base.in_features, 1, bias=False)
             self.lora_B = nn.Linear(1, base.out_features, bias=False)
+        self.dropout = nn.Dropout(dropout) if dropout else nn.Identity()
 
     def forward(self, x):
-        return self.base(x) + self.lora_B(self.lora_A(x.to(self.lora_A.weight.dtype))).to(x.dtype)
+        return self.base(x) + self.lora_B(self.lora_A(self.dropout(x.to(self.lora_A.weight.dtype)))).to(x.dtype)
 
 
 def _flash_gqa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
@@ -150,7 +156,17 @@ def _flash_gqa(module, query, key, value, attention_mask, dropout=0.0, scaling=N
     return out.transpose(1, 2).contiguous(), None
 
 
-def _build(config, kind: str, attention: str, lora: bool = False):
+def _adapter_torch_dtype(adapter_dtype: str, kind: str):
+    """The adapters' torch dtype: fp32, or 16 bits as the weights of ``kind`` 'half' are (fp16 and bf16 have the
+    same bytes; fp16 keeps a CPU's fake tensors on one dtype)."""
+    if adapter_dtype == "fp32":
+        return torch.float32
+    return torch.float16 if kind == "half" else torch.bfloat16 if adapter_dtype == "bf16" else torch.float16
+
+
+def _build(config, kind: str, attention: str, lora=None):
+    """``lora``: None (every weight trains), True (rank-1 fp32 adapters on every linear layer), or ``(names, dtype,
+    dropout)``: adapters on those layers of each block, in that dtype ('fp32', 'bf16', 'fp16'), with that dropout."""
     from transformers import AttentionInterface
 
     model = build_causal_lm(config, kind=kind, attention=attention)
@@ -158,8 +174,10 @@ def _build(config, kind: str, attention: str, lora: bool = False):
         AttentionInterface.register("course_flash_gqa", _flash_gqa)
         model.config._attn_implementation = "course_flash_gqa"
     if lora:
+        names, dtype, dropout = (None, "fp32", 0.0) if lora is True else lora
         model.requires_grad_(False)
-        replace_linears(model, RankOne)
+        replace_linears(model, functools.partial(RankOne, dtype=_adapter_torch_dtype(dtype, kind), dropout=dropout),
+                        only=names)
 
     def make(u):
         x = torch.randint(0, config.vocab_size, (BATCH, u))
@@ -192,9 +210,42 @@ def _per_sample(measured):
     return measured / BATCH
 
 
+def config_json(config) -> str:
+    """A transformers config as the planner keeps it: its values as JSON (sorted keys, no version or path)."""
+    values = hf_config(config).to_dict()
+    for key in ("transformers_version", "_name_or_path", "architectures", "torch_dtype", "dtype"):
+        values.pop(key, None)
+    return json.dumps(values, sort_keys=True, default=str)
+
+
 @functools.lru_cache(maxsize=32)
 def _cached_spec(config_json: str, name: str, kinds: tuple, pricings: tuple | None, fake: bool) -> ModelSpec:
-    return spec_from_data(name, hf_data(json.loads(config_json), kinds=kinds, pricings=pricings, fake=fake))
+    data = hf_data(json.loads(config_json), kinds=kinds, pricings=pricings, fake=fake)
+    return spec_from_data(name, {**data, "config": config_json})
+
+
+@functools.lru_cache(maxsize=256)
+def _adapter_data(config_json: str, names: tuple | None, dtype: str, dropout: float, pricing: str, kind: str) -> dict:
+    measured = measure_acts(functools.partial(_build, hf_config(json.loads(config_json)), lora=(names, dtype, dropout)),
+                            transformer=True, kinds=(kind,), pricings=(pricing,), first_block=True)
+    return _per_sample(measured)
+
+
+def adapter_coeffs(spec: ModelSpec, names, dtype: str, dropout: float, pricing: str, kind: str) -> ActCoeffs:
+    """What one sample saves with rank-1 adapters on the block's linear layers ``names`` (None: all) over frozen
+    weights, in ``dtype`` ('fp32', 'bf16', 'fp16'), with ``dropout``, as ``pricing`` ('cpu', 'cuda-math',
+    'cuda-fused') and ``kind`` ('fp32', 'amp', 'half') run it: measured now on fake tensors (about a second, cached)
+    from the model's config. Only an adapted layer saves its input for the adapter (cast to the adapter's dtype: with
+    fp32 adapters over 16-bit weights, a copy per adapted layer); a frozen layer without one saves nothing."""
+    if not spec.config:
+        raise ValueError(f"{spec.name} carries no transformers config, so adapters on some layers (lora_targets), "
+                         "16-bit adapters or lora_dropout cannot be measured for it: price it with "
+                         "planner.hf_spec(config), or use the defaults (every linear layer, fp32, no dropout).")
+    if dtype not in ADAPTER_DTYPES:
+        raise ValueError(f"Unknown adapter dtype {dtype!r}; choose one of {ADAPTER_DTYPES}.")
+    names = None if names is None else tuple(sorted(names))
+    data = _adapter_data(spec.config, names, dtype, float(dropout), pricing, kind)
+    return act_coeffs(data, spec.n_blocks)[pricing][kind]
 
 
 def hf_spec(config, name: str | None = None, *, kinds=KINDS, pricings=None, fake: bool = True) -> ModelSpec:
@@ -204,11 +255,13 @@ def hf_spec(config, name: str | None = None, *, kinds=KINDS, pricings=None, fake
     tensors, the CPU's pricing only (faster for tiny models)."""
     shipped = llm_name(config) if isinstance(config, str) else None
     if shipped and shipped in llm_data()["measured"]:
-        return spec_from_data(name or shipped, llm_data()["measured"][shipped])
+        return _shipped_spec(shipped, name or shipped)
     cfg = hf_config(config)
-    values = cfg.to_dict()
-    for key in ("transformers_version", "_name_or_path", "architectures", "torch_dtype", "dtype"):
-        values.pop(key, None)
     label = name or shipped or getattr(cfg, "name_or_path", "") or f"{cfg.model_type} (custom)"
-    return _cached_spec(json.dumps(values, sort_keys=True, default=str), label, tuple(kinds),
-                        tuple(pricings) if pricings else None, fake)
+    return _cached_spec(config_json(cfg), label, tuple(kinds), tuple(pricings) if pricings else None, fake)
+
+
+@functools.lru_cache(maxsize=None)
+def _shipped_spec(shipped: str, name: str) -> ModelSpec:
+    return spec_from_data(name, {**llm_data()["measured"][shipped],
+                                 "config": config_json(llm_data()["configs"][shipped]["config"])})

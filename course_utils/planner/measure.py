@@ -106,9 +106,10 @@ def _cuda_autocast(dtype):
         torch.set_autocast_dtype("cuda", old)
 
 
-def _coefficients(p1, p2, transformer: bool) -> dict:
+def _coefficients(p1, p2, transformer: bool, first_block: bool = False) -> dict:
     """Per-sample (lin, quad) coefficients from the profiles at TOKENS (a transformer: its second block, the first's
-    twin, stands for all), or from one profile (p1 is p2) with every block at u = 1."""
+    twin, stands for all; ``first_block``: the first block's own as ``first``, which saves less when only some layers
+    train: nothing before its first adapter), or from one profile (p1 is p2) with every block at u = 1."""
     if not transformer:
         return {"block": [(b, 0.0) for b in p1["block"]], "boundary": p1["boundary"],
                 "largest": [(x, 0.0) for x in p1["largest"]], "stem": (p1["stem"], 0.0), "head": (p1["head"], 0.0),
@@ -125,15 +126,18 @@ def _coefficients(p1, p2, transformer: bool) -> dict:
             quad = max(quad, b / u2**2)
         else:
             lin = max(lin, b / u2)
+    first = {"first": fit(p1["block"][0], p2["block"][0])} if first_block else {}
     return {"block": fit(p1["block"][1], p2["block"][1]), "boundary": p2["boundary"][1] / u2, "largest": (lin, quad),
             "stem": fit(p1["stem"], p2["stem"]), "head": fit(p1["head"], p2["head"]),
-            "output": fit(p1["output"], p2["output"])}
+            "output": fit(p1["output"], p2["output"]), **first}
 
 
-def measure_acts(build, *, transformer: bool, fake: bool = True, kinds=KINDS, pricings=None) -> dict:
+def measure_acts(build, *, transformer: bool, fake: bool = True, kinds=KINDS, pricings=None,
+                 first_block: bool = False) -> dict:
     """``acts[pricing][kind]`` (see the module docstring) of a model, measured now. ``build(kind, attention)`` returns
     (model, blocks, make_inputs(u)); it runs inside each pricing's device (and fake mode with ``fake``). ``pricings``:
-    by default every one the model has (``fake=False`` measures 'cpu' only)."""
+    by default every one the model has (``fake=False`` measures 'cpu' only); ``first_block``: the first block's own
+    coefficients too (``first``)."""
     allowed = (("cpu", "cuda-math", "cuda-fused") if transformer else ("cpu", "cuda")) if fake else ("cpu",)
     pricings = pricings or allowed
     if not set(pricings) <= set(allowed) or not set(kinds) <= set(KINDS):
@@ -155,7 +159,7 @@ def measure_acts(build, *, transformer: bool, fake: bool = True, kinds=KINDS, pr
                 with autocast:
                     profiles = [profile_activations(model, blocks, *make(u), autocast_dtype=dtype)
                                 for u in (TOKENS if transformer else (1,))]
-            acts[pricing][kind] = _coefficients(profiles[0], profiles[-1], transformer)
+            acts[pricing][kind] = _coefficients(profiles[0], profiles[-1], transformer, first_block)
     return acts
 
 

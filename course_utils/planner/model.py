@@ -38,15 +38,17 @@ Time per optimizer step (the planner's own model, approximate) = compute + optim
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, fields, replace
 
 from ..estimate import OPTIMIZERS, normalize_optimizer, optimizer_state_bytes
-from ..hardware import gpu_bytes_needed, pcie_seconds
+from ..hardware import cublas_workspace_bytes, gpu_bytes_needed, pcie_seconds
 from ..memory import CATEGORIES as MEMORY_CATEGORIES
 from ..results import load_notebook
 from ..units import GIB
 from ..validation import positive_int
 from .adapters import QUANTIZATIONS, base_bytes, check_targets, lora_tensors, quantized_numel, targeted
+from .llm import ADAPTER_DTYPES, adapter_coeffs
+from .plan import Plan
 from .specs import GPUSpec, ModelSpec, get_gpu, get_model, presets
 
 MFU = 0.40
@@ -91,6 +93,11 @@ class Settings:
     stream_weights: bool = False
     lora_targets: tuple | None = None  # names of a block's linear layers the adapters wrap; None: all of them
     quantize_base: str | None = None  # QLoRA: 'nf4' (bitsandbytes' NF4) or 'nf4_double' (absmax quantized too)
+    master_weights: bool = True  # pure fp16/bf16: an fp32 master copy with fp32 state; False: all in 16 bits
+    adapter_dtype: str = "fp32"  # LoRA's adapters, their gradients and AdamW's state: 'fp32' (peft), 'bf16' / 'fp16'
+    lora_dropout: float = 0.0  # LoRA's dropout on each adapter's input (> 0 keeps a mask and a copy per adapter)
+    paged_optimizer: bool = False  # bitsandbytes' paged AdamW / 8-bit AdamW: state in CUDA unified memory
+    set_to_none: bool = True  # zero_grad(set_to_none=True), PyTorch 2's default; False: gradients kept as zeros
 
     @property
     def cpu_step_optimizer(self) -> str:
@@ -111,11 +118,13 @@ class Settings:
             out.append(f"mixed precision ({self.precision.split('_')[0]} AMP)")
         elif self.precision in ("fp16", "bf16"):
             kept = "frozen weights" if self.lora_rank else "weights + fp32 master weights" if \
-                self.optimizer != "adamw_bf16_sr" else "weights, no master copy"
+                self.master_weights else "weights, no master copy"
             out.append(f"pure {self.precision} {kept}" + (" on CPU" if self.master_on_cpu else ""))
         elif self.master_on_cpu:
             out.append("optimizer on CPU")
         flags = {"8-bit Adam": self.optimizer == "adam8bit", BEYOND_ADAM.get(self.optimizer, ""): True,
+                 "paged optimizer state (bitsandbytes)": self.paged_optimizer,
+                 f"{self.adapter_dtype} adapters": self.lora_rank and self.adapter_dtype != "fp32",
                  "stream gradients to CPU": self.stream_grads,
                  "stream weights from CPU": self.stream_weights, "chunked loss": self.chunked_loss,
                  "offload activations": self.offload_activations, "update fused into backward": self.fused_update,
@@ -161,12 +170,39 @@ def optimizer_state(model: ModelSpec, optimizer: str) -> int:
     return 4 * n  # lion: m in fp32; adamw_bf16_sr: m and v in bf16
 
 
-def state_bytes(model: ModelSpec, optimizer: str, n: int, sizes=None) -> int:
-    """The optimizer's state for ``n`` trainable fp32 values: notebook 10's by the model's shapes, the others by
+def state_bytes(model: ModelSpec, optimizer: str, n: int, sizes=None, dtype: str = "fp32") -> int:
+    """The optimizer's state for ``n`` trainable values whose state is kept in ``dtype`` (fp32; 16 bits for pure
+    16-bit training without a master, or 16-bit adapters): notebook 10's by the model's shapes, the others by
     :func:`course_utils.estimate.optimizer_state_bytes`."""
     if optimizer in BEYOND_ADAM:
         return optimizer_state(model, optimizer)
-    return optimizer_state_bytes(n, optimizer, param_dtype="fp32", tensor_sizes=sizes)
+    return optimizer_state_bytes(n, optimizer, param_dtype=dtype, tensor_sizes=sizes)
+
+
+def tensor_sizes(model: ModelSpec) -> list[int]:
+    """Numel of each trainable tensor, as the optimizer sees them: a transformers LLM's linear weights by name, the
+    rest of each block (norms, biases) and of the head (embeddings, norm) as one tensor each; for the other presets,
+    the largest tensor and one per block."""
+    if not model.linears:
+        return [model.largest_tensor] + [max(1, (model.n_params - model.largest_tensor) // model.n_blocks)] * \
+            model.n_blocks
+    block = [d_in * d_out for _, d_in, d_out in model.linears]
+    rest = [bp - sum(block) for bp in model.block_params]
+    embeddings = round(model.output_per_unit) * model.hidden_size
+    head = [embeddings] * (1 if model.tied_head else 2)
+    return [x for i in range(model.n_blocks) for x in block + [rest[i]] if x > 0] + head + \
+        [x for x in [model.head_params - sum(head)] if x > 0]
+
+
+PAGED_MIN_NUMEL = 100_000  # bitsandbytes pages the state of tensors this large (get_state_buffer); smaller stay put
+
+
+def paged_state_bytes(optimizer: str, sizes) -> int:
+    """The part of a paged bitsandbytes optimizer's state in CUDA unified memory: m and v of each tensor of
+    ``PAGED_MIN_NUMEL`` values or more (uint8 for 8-bit AdamW, fp32 for its 32-bit AdamW); their absmax stay
+    ordinary tensors."""
+    per_value = 2 if optimizer == "adam8bit" else 8
+    return sum(per_value * n for n in sizes if n >= PAGED_MIN_NUMEL)
 
 
 def lora_params(model: ModelSpec, rank: int, targets=None) -> int:
@@ -175,46 +211,6 @@ def lora_params(model: ModelSpec, rank: int, targets=None) -> int:
     if not model.linears and targets is None:
         return model.n_blocks * rank * LORA_WIDTHS_PER_BLOCK * model.hidden_size
     return model.n_blocks * sum(lora_tensors(model, rank, targets))
-
-
-@dataclass
-class Plan:
-    """Predicted peak GPU memory of one whole optimizer step (every micro-batch, then the step), by category, and
-    the time model's verdict."""
-
-    model: ModelSpec
-    gpu: GPUSpec
-    settings: Settings
-    by_category: dict
-    phase: str
-    step_seconds: float
-    notes: list = field(default_factory=list)
-    host_bytes: int = 0  # what the plan keeps in host RAM (master weights, CPU optimizer, streamed and offloaded)
-
-    @property
-    def peak_bytes(self) -> int:
-        """What the card must hold: tensors + overhead (allocator reserve + CUDA context)."""
-        return int(sum(self.by_category.values()))
-
-    @property
-    def tensor_peak_bytes(self) -> int:
-        """The peak of PyTorch's tensors (what measure_memory / max_memory_allocated report)."""
-        return int(sum(v for k, v in self.by_category.items() if k != "overhead"))
-
-    @property
-    def fits(self) -> bool:
-        return self.peak_bytes <= self.gpu.memory_bytes
-
-    def __str__(self) -> str:
-        """The total the card needs against its memory, whether it fits, and the categories."""
-        s = self.settings
-        lines = [f"{self.model.name} on {self.gpu.name}: {self.peak_bytes / GIB:.2f} GiB of {self.gpu.memory_gib:.1f} "
-                 f"GiB -> {'fits' if self.fits else 'does NOT fit'}, the peak of one optimizer step ({s.accumulation} "
-                 f"micro-batches of {s.micro_batch}, then the step; {s.precision}, {s.optimizer}, checkpointing "
-                 f"{s.checkpointing}; peak {self.phase})"]
-        lines += [f"  {k:<12}{v / GIB:8.2f} GiB" for k, v in self.by_category.items()]
-        lines.append(f"  predicted time per optimizer step: {self.step_seconds:.2f} s")
-        return "\n".join(lines + [f"  note: {n}" for n in self.notes])
 
 
 def _choice(value, what: str, options) -> str:
@@ -293,7 +289,29 @@ def make_settings(model: ModelSpec, **knobs) -> Settings:
     if lora and s.master_on_cpu:
         raise ValueError("With LoRA only the small adapters train and their optimizer stays on the GPU: set "
                          "master_on_cpu=False (and stream_grads, stream_weights False), or lora_rank=None.")
+    master = s.master_weights and key != "adamw_bf16_sr"  # stochastic rounding is how bf16 trains without a master
+    if not master and s.precision not in ("fp16", "bf16") and not lora:
+        raise ValueError(f"master_weights=False trains the 16-bit weights themselves (state in 16 bits too): set "
+                         f"precision='bf16' or 'fp16', not {s.precision!r}; with fp32 weights or autocast there is "
+                         "no separate master copy to drop.")
+    if not master and s.master_on_cpu:
+        raise ValueError("master_on_cpu=True keeps an fp32 master copy on the host: set master_weights=True, or "
+                         "master_on_cpu=False to keep 16-bit weights and state on the card.")
+    if s.adapter_dtype not in ADAPTER_DTYPES:
+        raise ValueError(f"Unknown adapter_dtype {s.adapter_dtype!r}; choose one of {ADAPTER_DTYPES} (peft keeps "
+                         "adapters in fp32 over 16-bit weights; torchtune in the weights' bf16).")
+    if not isinstance(s.lora_dropout, (int, float)) or isinstance(s.lora_dropout, bool) or not 0 <= s.lora_dropout < 1:
+        raise ValueError(f"lora_dropout is a probability in [0, 1), e.g. 0.05, not {s.lora_dropout!r}.")
+    if not lora and (s.adapter_dtype != "fp32" or s.lora_dropout):
+        raise ValueError("adapter_dtype and lora_dropout describe LoRA's adapters: set lora_rank too, or leave them "
+                         "at 'fp32' and 0.")
+    if s.paged_optimizer and (key not in ("adam", "adamw", "adamw_fused", "adam8bit") or s.master_on_cpu):
+        raise ValueError("paged_optimizer=True is bitsandbytes' PagedAdamW (32-bit state) or PagedAdamW8bit: use "
+                         "optimizer 'adamw' or 'adam8bit', on the card (master_on_cpu=False).")
     _choice(s.device, "device", ("cuda", "cpu"))
+    if s.paged_optimizer and s.device != "cuda":
+        raise ValueError("Paged optimizer state lives in CUDA unified memory; on a CPU bitsandbytes falls back to "
+                         "ordinary tensors: set paged_optimizer=False with device='cpu'.")
     attention = _choice(s.attention or ("fused" if s.device == "cuda" else "math"), "attention", ATTENTIONS)
     if s.device == "cpu" and attention == "fused":
         raise ValueError("A CPU trains attention with dropout on the math path: use attention='math' with "
@@ -301,7 +319,9 @@ def make_settings(model: ModelSpec, **knobs) -> Settings:
     return replace(s, micro_batch=micro_batch, size=size, accumulation=accumulation, attention=attention,
                    checkpointing=_choice(s.checkpointing, "checkpointing", CHECKPOINTING),
                    precision=_choice(s.precision, "precision", PRECISIONS), optimizer=key,
-                   lora_rank=int(s.lora_rank) if lora else None, lora_targets=check_targets(model, s.lora_targets))
+                   lora_rank=int(s.lora_rank) if lora else None, lora_targets=check_targets(model, s.lora_targets),
+                   master_weights=master or lora or s.precision not in ("fp16", "bf16"),
+                   lora_dropout=float(s.lora_dropout))
 
 
 def _units(model: ModelSpec, size: int) -> float:
@@ -332,11 +352,21 @@ def _activations(model: ModelSpec, s: Settings) -> dict:
     """Per micro-batch bytes of what forward saves (stem, each block, head), kept, and the loss's temporaries."""
     half, amp = s.precision in ("fp16", "bf16"), s.precision.endswith("_amp")
     lora = s.lora_rank is not None
-    c = model.coeffs(s.device, s.attention, "half" if half else "amp" if amp else "fp32", lora)
+    kind = "half" if half else "amp" if amp else "fp32"
+    names = [x[0] for x in targeted(model, s.lora_targets)]
+    if lora and ((s.lora_targets is not None and model.config) or s.adapter_dtype != "fp32" or s.lora_dropout):
+        # adapters on some layers, in 16 bits or with dropout: what each adapted layer saves, measured from the config
+        c = adapter_coeffs(model, names, s.adapter_dtype, s.lora_dropout,
+                           "cpu" if s.device == "cpu" else f"cuda-{s.attention}", kind)
+        measured = len(names)
+    else:  # stored: rank-1 fp32 adapters on every linear layer (or, for GPT-2, the full model's activations)
+        c = model.coeffs(s.device, s.attention, kind, lora)
+        measured = len(model.linears) if lora and model.lora_acts else 0
     B, u, nb = s.micro_batch, _units(model, s.size), model.n_blocks
-    adapters = len(targeted(model, s.lora_targets)) if model.linears or s.lora_targets else 4
-    measured = len(model.linears) if lora and model.lora_acts else 0  # rank-1 adapters, measured with frozen weights
-    extra = B * u * 4 * (adapters * s.lora_rank - measured) if lora else 0  # each adapter saves x A^T (r fp32/token)
+    adapters = len(names) if model.linears or s.lora_targets else 4
+    # each adapter's lora_B saves x A^T, r values a token (in autocast's 16 bits, else the adapter's dtype)
+    width = 2 if amp or s.adapter_dtype != "fp32" else 4
+    extra = B * u * width * (adapters * s.lora_rank - measured) if lora else 0
     a = dict(block=[B * _at(c.block[i], u) + extra for i in range(nb)],
              largest=[B * max(c.largest[i][0] * u, c.largest[i][1] * u * u) for i in range(nb)],
              stem=B * _at(c.stem, u))
@@ -373,19 +403,26 @@ def predict_settings(model: ModelSpec, gpu: GPUSpec, s: Settings) -> Plan:
     exact = lora and (model.linears or s.lora_targets)  # each adapter tensor known (else GPT-2's, about)
     tensors = lora_tensors(model, s.lora_rank, s.lora_targets) if exact else []
     adapter = max(tensors) if exact else n_train // (8 * nb) if lora else 0  # the largest adapter matrix (A or B)
-    gw = 4 if lora else w  # bytes per trainable gradient (adapters: fp32)
+    ab = 4 if s.adapter_dtype == "fp32" else 2  # bytes per adapter value (and its gradient)
+    gw = ab if lora else w  # bytes per trainable gradient
+    # the optimizer's state: fp32 (an fp32 master's, fp32 weights', bitsandbytes' 32-bit paged AdamW), or in the
+    # 16-bit weights' or adapters' dtype (torch's AdamW keeps it in the parameter's dtype)
+    sixteen = ab == 2 if lora else half and not s.master_weights
+    state_dtype = "bf16" if sixteen and not s.paged_optimizer else "fp32"
 
     # persistent state
     resident = model.head_params + sum(sorted(model.block_params)[-STREAMED_BLOCKS:]) if s.stream_weights else n
     frozen = base_bytes(model, s.quantize_base, w) if s.quantize_base else resident * w
-    params = frozen + (4 * n_train if lora else 0)
+    params = frozen + (ab * n_train if lora else 0)
+    sizes = (tensors * nb if exact else [adapter] * 8 * nb) if lora else tensor_sizes(model)
+    paged = 0
     if s.master_on_cpu:
         optimizer = 0
-    else:  # the optimizer's state, kept for fp32 values (pure half trains an fp32 master copy), per tensor
-        sizes = (tensors * nb if exact else [adapter] * 8 * nb) if lora else \
-            [model.largest_tensor] + [max(1, (n - model.largest_tensor) // nb)] * nb
-        optimizer = state_bytes(model, s.optimizer, n_train, sizes)
-        optimizer += 4 * n if half and not lora and s.optimizer != "adamw_bf16_sr" else 0  # fp32 master weights
+    else:  # the optimizer's state, per tensor (8-bit Adam keeps small tensors' in fp32); pure half's fp32 master
+        optimizer = state_bytes(model, s.optimizer, n_train, sizes, dtype=state_dtype)
+        paged = paged_state_bytes(s.optimizer, sizes) if s.paged_optimizer else 0
+        optimizer += 4 * n if half and not lora and s.master_weights else 0  # fp32 master weights
+        optimizer -= paged  # in CUDA unified memory: outside PyTorch's allocator
     weight_copies = 2 * n if amp else 0  # autocast's fp16/bf16 copies of the weights (kept for backward)
 
     a = _activations(model, s)
@@ -396,12 +433,14 @@ def predict_settings(model: ModelSpec, gpu: GPUSpec, s: Settings) -> Plan:
     # reaches the embedding)
     g_one = [gw * adapter if lora else model.block_largest[i] * w for i in range(nb)]
     tied = round(model.output_per_unit) * model.hidden_size * w if model.tied_head and not lora else 0
-    adam = not s.master_on_cpu and s.optimizer in ("adam", "adamw")
-    per_tensor_scratch = (4 if s.device == "cuda" else 8) if adam else 0  # fp32 values per element: CUDA 1, CPU 2
+    adam = not s.master_on_cpu and s.optimizer in ("adam", "adamw") and not s.paged_optimizer  # torch's AdamW
+    item = 4 if state_dtype == "fp32" else 2  # its scratch is in the state's dtype
+    per_tensor_scratch = (item if s.device == "cuda" else 2 * item) if adam else 0  # values per element: CUDA 1, CPU 2
     off = s.offload_activations
     stem = 0 if off else a["stem"]
     kept = [0.0] * nb if off else a["kept"]
-    grads_before = 0 if (s.stream_grads or s.accumulation == 1) else g_all
+    # gradients alive when backward starts: accumulated ones, or last step's zeroed ones (set_to_none=False)
+    grads_before = 0 if s.stream_grads or s.fused_update or (s.accumulation == 1 and s.set_to_none) else g_all
 
     head = a.get("head_back", a["head"]) if off else a["head"]
     phases = {"at the start of backward": dict(grads=grads_before, activations=stem + head + sum(kept),
@@ -436,14 +475,18 @@ def predict_settings(model: ModelSpec, gpu: GPUSpec, s: Settings) -> Plan:
         phases["stepping the largest tensor"] = dict(grads=biggest * gw, activations=stem + sum(kept) * bool(first),
                                                      other=per_tensor_scratch * biggest)
     elif not s.stream_grads:  # Adam's fp32 scratch: foreach on CUDA a copy of the model, on a CPU 2 x a tensor's
-        scratch = 4 * n_train if s.device == "cuda" else 8 * (adapter if lora else model.largest_tensor)
+        scratch = item * n_train if s.device == "cuda" else 2 * item * (adapter if lora else model.largest_tensor)
         phases["in optimizer.step()"] = dict(grads=g_all, activations=0, other=scratch if adam else 0)
     phase = max(phases, key=lambda k: sum(phases[k].values()))
     parts = dict(params=params, optimizer=optimizer, **phases[phase])
     by_cat = {k: int(round(parts[k])) for k in MEMORY_CATEGORIES}
     tensor_peak = sum(by_cat.values())
     cc = tuple(gpu.compute_capability) if gpu.compute_capability else None
-    by_cat["overhead"] = gpu_bytes_needed(tensor_peak, cc) - tensor_peak if s.device == "cuda" else 0
+    by_cat["overhead"] = gpu_bytes_needed(tensor_peak, cc, gpu.context_bytes) - tensor_peak if s.device == "cuda" else 0
+    overhead_parts = dict(workspaces=cublas_workspace_bytes(cc), context=gpu.context_bytes)
+    overhead_parts["reserve"] = by_cat["overhead"] - sum(overhead_parts.values())
+    if s.device != "cuda":
+        overhead_parts = {k: 0 for k in overhead_parts}
     notes = []
     if any(key.startswith("cuda-") for key in model.acts):  # measured with attention
         notes.append("attention: " + ("PyTorch's fused SDPA kernel (flash for fp16/bf16, memory-efficient for fp32): "
@@ -453,16 +496,25 @@ def predict_settings(model: ModelSpec, gpu: GPUSpec, s: Settings) -> Plan:
         ns, source = cpu_step_ns(s.cpu_step_optimizer)
         notes.append(f"CPU optimizer step: {s.cpu_step_optimizer}, {ns:.2f} ns/parameter ({source})")
     host_state = 8 * n + state_bytes(model, s.optimizer, n) if s.master_on_cpu else 0  # fp32 master + grads
-    host = int(host_state + n * w * s.stream_weights + a["saved"] * off)
+    # a paged optimizer's state beyond what the card holds beside the rest waits in host RAM between steps
+    spilled = max(0, paged - max(0, gpu.memory_bytes - sum(by_cat.values()))) if s.device == "cuda" else 0
+    host = int(host_state + n * w * s.stream_weights + a["saved"] * off + spilled)
     if host:  # not on the card, but the machine must have it
         notes.append(f"host RAM: {host / GIB:.1f} GiB (fp32 master weights, gradients and optimizer state on the CPU, "
-                     "streamed weights, offloaded activations)")
+                     "streamed weights, offloaded activations, paged optimizer state the card cannot hold)")
+    if paged:
+        notes.append(f"paged optimizer: {paged / GIB:.2f} GiB of state in CUDA unified memory, outside PyTorch's "
+                     "allocator (max_memory_allocated and max_memory_reserved leave it out; nvidia-smi shows what "
+                     "sits on the card)" + (f"; {spilled / GIB:.2f} GiB of it pages to the host and back each step"
+                                            if spilled else ""))
     return Plan(model=model, gpu=gpu, settings=s, by_category=by_cat, phase=phase,
-                step_seconds=step_seconds(model, gpu, s), notes=notes, host_bytes=host)
+                step_seconds=step_seconds(model, gpu, s, spilled), notes=notes, host_bytes=host, paged_bytes=paged,
+                overhead_parts=overhead_parts)
 
 
-def step_seconds(model: ModelSpec, gpu: GPUSpec, s: Settings) -> float:
-    """The planner's time-cost model: predicted seconds per optimizer step (see the module docstring)."""
+def step_seconds(model: ModelSpec, gpu: GPUSpec, s: Settings, paged_out: int = 0) -> float:
+    """The planner's time-cost model: predicted seconds per optimizer step (see the module docstring); ``paged_out``:
+    bytes of a paged optimizer's state that wait in host RAM, in for the step and out again."""
     samples = s.micro_batch * s.accumulation
     u = _units(model, s.size)
     flops = (6.0 * model.n_params if model.unit == "token" else 3.0 * model.fwd_flops_per_unit) * u * samples
@@ -486,10 +538,12 @@ def step_seconds(model: ModelSpec, gpu: GPUSpec, s: Settings) -> float:
     else:
         if s.lora_rank is not None:  # the weights and gradients, the state read and written
             n_lora = lora_params(model, s.lora_rank, s.lora_targets)
-            touched = 8 * n_lora + 2 * optimizer_state_bytes(n_lora, s.optimizer)
+            ab = 4 if s.adapter_dtype == "fp32" else 2
+            touched = 2 * ab * n_lora + 2 * optimizer_state_bytes(n_lora, s.optimizer, param_dtype=s.adapter_dtype)
         else:  # the weights, gradients, an fp32 master in pure half (read and written), the state read and written
-            master = 8 if w == 2 and s.optimizer != "adamw_bf16_sr" else 0
-            touched = n * (2 * w + master) + 2 * state_bytes(model, s.optimizer, n)
+            master = 8 if w == 2 and s.master_weights else 0
+            state = "fp32" if w == 4 or s.master_weights else "bf16"
+            touched = n * (2 * w + master) + 2 * state_bytes(model, s.optimizer, n, dtype=state)
         opt = touched / (gpu.mem_bandwidth_gbs * 1e9)
     if s.quantize_base:  # each 4-bit weight dequantized (read, written, read) in forward, backward and any recompute
         passes = s.accumulation * (2 + (s.checkpointing != "none"))
@@ -497,4 +551,5 @@ def step_seconds(model: ModelSpec, gpu: GPUSpec, s: Settings) -> float:
     # side-stream copies beside compute: only the part longer than compute shows
     copies = s.accumulation * (2 * _activations(model, s)["saved"] * s.offload_activations
                                + 2 * n * w * s.stream_weights)
-    return compute + opt + max(0.0, pcie_seconds(round(copies), gpu.pcie) - compute)
+    return compute + opt + max(0.0, pcie_seconds(round(copies), gpu.pcie) - compute) + \
+        pcie_seconds(2 * paged_out, gpu.pcie)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
 
-from ..hardware import PCIE_GB_PER_S
+from ..hardware import CUDA_CONTEXT_BYTES, PCIE_GB_PER_S
 from ..precision import recommend_precision
 from ..units import GIB, MIB
 from ..validation import positive_int, positive_number
@@ -23,10 +23,19 @@ def presets() -> dict:
     return json.loads(resources.files(__package__).joinpath("presets.json").read_text(encoding="utf-8"))
 
 
+@lru_cache(maxsize=1)
+def published_data() -> dict:
+    """The parsed ``published.json``: peaks others measured on real GPUs, with their settings and sources
+    (:mod:`.published` prices them), and the spread of the planner's error over them."""
+    return json.loads(resources.files(__package__).joinpath("published.json").read_text(encoding="utf-8"))
+
+
 @dataclass(frozen=True)
 class GPUSpec:
-    """A GPU: memory as nvidia-smi reports it, and the speeds the time model uses (defaults: an RTX 3060's); ``pcie``
-    names the host link (a key of ``hardware.PCIE_GB_PER_S``; copies over it take ``hardware.pcie_seconds``)."""
+    """A GPU: ``memory_bytes``, what PyTorch can allocate on it (``torch.cuda.get_device_properties(0).total_memory``,
+    less than the advertised size nvidia-smi prints), its CUDA context (outside PyTorch's allocator, inside that
+    total), and the speeds the time model uses (defaults: an RTX 3060's); ``pcie`` names the host link (a key of
+    ``hardware.PCIE_GB_PER_S``; copies over it take ``hardware.pcie_seconds``)."""
 
     name: str
     memory_bytes: int
@@ -36,6 +45,9 @@ class GPUSpec:
     mem_bandwidth_gbs: float = 360.0
     pcie: str = "PCIe 4.0 x16"
     compute_capability: tuple | None = None  # sizes cuBLAS's workspaces (hardware.cublas_workspace_bytes); None: 9.0
+    context_bytes: int = CUDA_CONTEXT_BYTES  # the CUDA context: measured on this card where known
+    advertised_bytes: int | None = None  # the size on the box and in nvidia-smi's total
+    memory_source: str = ""  # where memory_bytes and context_bytes come from
 
     @property
     def memory_gib(self) -> float:
@@ -46,7 +58,9 @@ class GPUSpec:
 @lru_cache(maxsize=1)
 def gpu_presets() -> dict:
     """{name: GPUSpec} of the preset GPUs."""
-    return {name: GPUSpec(name, d["memory_mib"] * MIB, **{k: d[k] for k in GPU_SPEEDS})
+    return {name: GPUSpec(name, d["total_memory_bytes"], **{k: d[k] for k in GPU_SPEEDS},
+                          context_bytes=round(d["context_mib"] * MIB), advertised_bytes=d["advertised_mib"] * MIB,
+                          memory_source=d["source"])
             for name, d in presets()["gpus"].items()}
 
 
@@ -121,6 +135,7 @@ class ModelSpec:
     tied: bool | None = None  # the head shares the input embedding; None: as GPT-2 (tied if it returns logits)
     linears: tuple = ()  # one block's linear layers (name, in, out): what LoRA targets; (): GPT-2's Conv1D
     lora_acts: dict | None = None  # as acts, measured with the weights frozen and rank-1 adapters on ``linears``
+    config: str | None = None  # a transformers model's config (JSON): adapters on other layers are measured from it
 
     @property
     def hidden_size(self) -> int:
@@ -207,21 +222,35 @@ def _preset_spec(name: str) -> ModelSpec:
     return spec_from_data(name, presets()["models"][name])
 
 
+def act_coeffs(measured: dict, n_blocks: int, uniform: bool = True) -> dict:
+    """``{pricing: {kind: ActCoeffs}}`` from measured data as ``presets.json`` keeps it (a transformer's uniform data
+    holds one value for its identical blocks)."""
+
+    def per_block(x, convert):
+        return (convert(x),) * n_blocks if uniform else tuple(map(convert, x))
+
+    def pair(x):
+        return tuple(map(float, x))
+
+    def blocks(c):  # the first block's own where measured (adapters on some layers: it saves less)
+        every = per_block(c["block"], pair)
+        return (pair(c["first"]),) + every[1:] if "first" in c else every
+
+    return {pricing: {kind: ActCoeffs(block=blocks(c), boundary=per_block(c["boundary"], float),
+                                      largest=per_block(c["largest"], pair), head=pair(c["head"]),
+                                      stem=pair(c["stem"]), output=pair(c["output"]))
+                      for kind, c in by_kind.items()}
+            for pricing, by_kind in measured.items()}
+
+
 def spec_from_data(name: str, d: dict) -> ModelSpec:
     """A ModelSpec from a preset's data (``presets.json``, or :func:`.measure.gpt2_data`)."""
 
     def per_block(x, convert):  # a transformer's data holds one value for its (identical) blocks
         return (convert(x),) * d["n_blocks"] if d["uniform"] else tuple(map(convert, x))
 
-    def pair(x):
-        return tuple(map(float, x))
-
     def coeffs(measured):
-        return {pricing: {kind: ActCoeffs(block=per_block(c["block"], pair), boundary=per_block(c["boundary"], float),
-                                          largest=per_block(c["largest"], pair), head=pair(c["head"]),
-                                          stem=pair(c["stem"]), output=pair(c["output"]))
-                          for kind, c in by_kind.items()}
-                for pricing, by_kind in measured.items()}
+        return act_coeffs(measured, d["n_blocks"], d["uniform"])
 
     acts = coeffs(d["acts"])
     return ModelSpec(name=name, n_params=d["n_params"], block_params=per_block(d["block_params"], int),
@@ -230,4 +259,4 @@ def spec_from_data(name: str, d: dict) -> ModelSpec:
                      default_size=d["default_size"], max_size=d.get("max_size"),
                      block_largest=per_block(d["block_largest"], int), hidden=d.get("hidden"), tied=d.get("tied"),
                      linears=tuple(tuple(x) for x in d.get("linears", ())),
-                     lora_acts=coeffs(d["lora_acts"]) if d.get("lora_acts") else None)
+                     lora_acts=coeffs(d["lora_acts"]) if d.get("lora_acts") else None, config=d.get("config"))

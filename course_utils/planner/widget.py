@@ -2,17 +2,20 @@
 
 ``planner_widget()`` returns a box of controls and an output area (basic widgets only, so it works with ipywidgets 7.7,
 which Colab ships, and 8): pick a model and a GPU, set the sizes and the techniques, and see the predicted memory by
-category against the GPU's capacity, whether it fits, and the cheapest set of techniques that fits. Bad input shows a
-message in place of the chart, never a traceback. ``render(...)`` does the work without widgets (tests use it).
+category with its range against what PyTorch can allocate on the GPU, the verdict (fits, tight, does not fit), the
+largest sequence length, micro-batch and LoRA rank that fit, and the cheapest set of techniques that fits within the
+host RAM (default: this machine's). Bad input shows a message in place of the chart, never a traceback. ``render(...)`` does the work without widgets (tests use it).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..hardware import host_ram_bytes
 from ..units import GIB, MIB
 from .llm import llm_data
-from .model import Plan, predict
-from .search import cheapest_fit
+from .model import predict
+from .plan import Plan
+from .search import VARIES, cheapest_fit, largest_fit
 from .specs import custom_model, get_model, gpu_presets, presets
 
 CUSTOM_MODEL = "custom (parameters + activations)"
@@ -23,12 +26,15 @@ MODEL_LABELS = {key: label for label, key in MODEL_CHOICES.items()}
 
 
 def plan_frame(plans: dict):
-    """A pandas table (scenario x category, GiB) of several plans, with total, capacity and fit."""
+    """A pandas table (scenario x category, GiB) of several plans, with the total, its range, the card's memory (what
+    PyTorch can allocate), the verdict (fits, tight, does not fit) and the host RAM each needs."""
     import pandas as pd
 
     _check_plans(plans)
     rows = {name: {**{k: round(v / GIB, 2) for k, v in p.by_category.items()}, "total": round(p.peak_bytes / GIB, 2),
-                   "gpu_GiB": round(p.gpu.memory_gib, 1), "fits": p.fits} for name, p in plans.items()}
+                   "low": round(p.range_bytes[0] / GIB, 2), "high": round(p.range_bytes[2] / GIB, 2),
+                   "gpu_GiB": round(p.gpu.memory_gib, 2), "fits": p.fits, "verdict": p.verdict,
+                   "host_GiB": round(p.host_bytes / GIB, 1)} for name, p in plans.items()}
     return pd.DataFrame.from_dict(rows, orient="index").rename_axis("scenario")
 
 
@@ -47,13 +53,17 @@ def plot_plans(plans: dict, *, ax=None, title=None):
 
     _check_plans(plans)
     gpu = next(iter(plans.values())).gpu
-    ax = plot_ledger(plans, budget_bytes=gpu.memory_bytes, budget_label=f"{gpu.name}: {gpu.memory_gib:.1f} GiB", ax=ax,
+    ax = plot_ledger(plans, budget_bytes=gpu.memory_bytes, budget_label=f"{gpu.name}: {gpu.memory_gib:.2f} GiB", ax=ax,
                      title=title)
     for container in ax.containers:  # the GPU's own overhead: hatched, it is not PyTorch's tensors
         if container.get_label() == "overhead":
             for bar in container:
                 bar.set_hatch("//")
-    ax.set_xlim(0, 1.05 * max(max(p.peak_bytes for p in plans.values()), gpu.memory_bytes) / GIB)
+    for y, p in enumerate(plans.values()):  # the range: how far published measurements fell from predictions
+        low, expected, high = (b / GIB for b in p.range_bytes)
+        ax.errorbar(expected, y, xerr=[[expected - low], [high - expected]], fmt="none", ecolor="black", capsize=4,
+                    label="range" if y == 0 else None)
+    ax.set_xlim(0, 1.05 * max(max(p.range_bytes[2] for p in plans.values()), gpu.memory_bytes) / GIB)
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small", frameon=False)  # with the hatch
     return ax
 
@@ -69,11 +79,28 @@ class RenderResult:
     recommendation: object = None
 
 
+def largest_lines(spec, gpu, host_gib, settings: dict) -> list[str]:
+    """The largest sequence length (or image size), micro-batch and, with LoRA, rank that fit the card and the host with
+    the other settings as they are (``largest_fit``, safe by the high end of the range)."""
+    lines = []
+    for vary in ("size", "micro_batch", "lora_rank"):
+        if vary == "lora_rank" and not settings.get("lora_rank"):
+            continue
+        knobs = {k: v for k, v in settings.items() if k != vary}
+        step = 16 if vary == "size" and spec.unit == "token" else 1
+        found = largest_fit(spec, gpu, vary, host_gib=host_gib, step=step, **knobs)
+        lines.append(f"  {VARIES[vary]}: {found.value if found.value else 'none fits'}"
+                     + (f" (expected {found.expected})" if found.expected != found.value else ""))
+    return ["The largest that fits, the rest as set:"] + lines
+
+
 def render(*, model="gpt2-xl", gpu="RTX 3060 (12 GB)", custom_gpu_gib=8, custom_params_m=100, custom_act_mib=50,
-           lora_rank=0, qlora=False, search=True, **settings) -> RenderResult:
+           lora_rank=0, qlora=False, search=True, host_gib=None, largest=True, **settings) -> RenderResult:
     """Plan (and search) for ``settings``, the knobs of ``predict`` (or the widget's labels for them); returns a figure
     (closed: the widget shows it as an image), or the message to show instead: it never raises for bad settings.
-    ``lora_rank=0``: every weight trains; ``qlora``: the frozen weights in 4-bit NF4 (with a LoRA rank)."""
+    ``lora_rank=0``: every weight trains; ``qlora``: the frozen weights in 4-bit NF4 (with a LoRA rank); ``host_gib``:
+    the host RAM the search may use (default: this machine's); ``largest``: also the largest sequence length,
+    micro-batch and LoRA rank that fit (``largest_fit``)."""
     import matplotlib.pyplot as plt
 
     try:
@@ -88,9 +115,11 @@ def render(*, model="gpt2-xl", gpu="RTX 3060 (12 GB)", custom_gpu_gib=8, custom_
         rec = None
         lines = [str(plan)]
         plans = {"your settings": plan}
+        if largest:
+            lines += largest_lines(spec, plan.gpu, host_gib, dict(kwargs, lora_rank=lora_rank or None))
         if search:
             try:
-                rec = cheapest_fit(spec, plan.gpu, lora_rank=lora_rank or None, **kwargs)
+                rec = cheapest_fit(spec, plan.gpu, host_gib=host_gib, lora_rank=lora_rank or None, **kwargs)
             except ValueError as err:
                 lines.append(f"Search: {err}")
             else:
@@ -98,7 +127,7 @@ def render(*, model="gpt2-xl", gpu="RTX 3060 (12 GB)", custom_gpu_gib=8, custom_
                 if rec.techniques:
                     plans["cheapest set that fits"] = rec.plan
         fig, ax = plt.subplots(figsize=(9, 1.4 + 0.7 * len(plans)))
-        plot_plans(plans, ax=ax, title=f"{spec.name} on {plan.gpu.name}: {'fits' if plan.fits else 'does not fit'}")
+        plot_plans(plans, ax=ax, title=f"{spec.name} on {plan.gpu.name}: {plan.verdict}")
         fig.tight_layout()
         plt.close(fig)
         return RenderResult(ok=True, message="\n".join(lines), figure=fig, plan=plan, recommendation=rec)
@@ -140,6 +169,8 @@ def planner_widget():
         optimizer=pick(w.ToggleButtons, "optimizer", list(LABELS["optimizer"]), "Adam"),
         attention=pick(w.ToggleButtons, "attention", list(LABELS["attention"]), "fused (SDPA)"),
         lora_rank=slider(0, 64, "LoRA rank (0: off)"),
+        host_gib=w.FloatSlider(value=round(host_ram_bytes() / GIB, 1), min=1, max=512, step=0.1,
+                               description="host RAM (GiB)", style=style, layout=layout),
         **{name: w.Checkbox(value=name == "search", description=text) for name, text in LABELS["checkboxes"].items()},
     )
     held = [False]  # True while set() changes several controls: one update at the end
@@ -169,7 +200,7 @@ def planner_widget():
                   c["checkpointing"], c["optimizer"], c["attention"],
                   w.HBox([c["master_on_cpu"], c["stream_grads"], c["stream_weights"]]),
                   w.HBox([c["offload_activations"], c["chunked_loss"], c["fused_update"]]),
-                  w.HBox([c["lora_rank"], c["qlora"], c["search"]]), out])
+                  w.HBox([c["lora_rank"], c["qlora"], c["search"]]), c["host_gib"], out])
 
     def update():
         result = box.last_result = render(**{k: v.value for k, v in c.items()})
