@@ -136,7 +136,13 @@ class MeasureSecondStep(TrainerCallback):
 
 @pytest.mark.parametrize("family,settings", [("gpt2", dict(precision="bf16_amp", checkpointing="block")),
                                              ("gpt2", dict(lora_rank=8)), ("llama", dict(lora_rank=8)),
-                                             ("llama", dict(lora_rank=8, quantize_base="nf4", precision="bf16"))])
+                                             ("llama", dict(lora_rank=8, quantize_base="nf4", precision="bf16")),
+                                             # pure bf16 without a master copy, fused AdamW (torchtune's, PEFT's)
+                                             ("llama", dict(precision="bf16", master_weights=False,
+                                                            optimizer="adamw_fused")),
+                                             # bf16 adapters on q and v only, with dropout
+                                             ("llama", dict(lora_rank=8, precision="bf16", adapter_dtype="bf16",
+                                                            lora_targets=("q_proj", "v_proj"), lora_dropout=0.1))])
 def test_the_trainer_export_runs_the_plans_step(tmp_path, family, settings):
     from transformers import AutoModelForCausalLM, Trainer
 
@@ -146,7 +152,7 @@ def test_the_trainer_export_runs_the_plans_step(tmp_path, family, settings):
                             logging_strategy="no")
     assert out.args.per_device_train_batch_size == 4 and out.args.gradient_accumulation_steps == 2
     compile(out.script, "train.py", "exec")
-    net = build(family)
+    net = build(family).to(getattr(torch, out.dtype))  # the weights' dtype, as from_pretrained(dtype=...) loads them
     if out.quantization is not None:  # QLoRA: the weights saved, then loaded in NF4 as the exported script loads them
         net.save_pretrained(tmp_path)
         net = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=getattr(torch, out.dtype),
@@ -155,7 +161,7 @@ def test_the_trainer_export_runs_the_plans_step(tmp_path, family, settings):
     if out.lora is not None:
         import peft
 
-        net = peft.get_peft_model(net, out.lora)
+        net = peft.get_peft_model(net, out.lora, **out.peft_kwargs)
         assert sum(p.numel() for p in net.parameters() if p.requires_grad) == planner.lora_params(
             plan.model, 8, plan.settings.lora_targets)
     data = [dict(input_ids=x, labels=x) for x in torch.randint(0, net.config.vocab_size, (16, STEP["size"]))]
@@ -301,3 +307,17 @@ def test_the_exports_know_the_families_layers_and_adapters():
     assert qlora.quantization.load_in_4bit and qlora.quantization.bnb_4bit_use_double_quant
     assert qlora.dtype == "bfloat16" and "quantization_config=BitsAndBytesConfig" in qlora.script
     compile(qlora.script, "train.py", "exec")
+    # the settings practitioners use: paged 8-bit AdamW over pure bf16 weights, bf16 adapters
+    on_gpu = dict(STEP, device="cuda", attention="fused")  # paged state is CUDA unified memory
+    paged = export.to_trainer(planner.predict("llama-3.2-1b", **on_gpu, precision="bf16", master_weights=False,
+                                              optimizer="adam8bit", paged_optimizer=True), "m", "o")
+    assert paged.args.optim == "paged_adamw_8bit" and paged.dtype == "bfloat16" and not paged.args.bf16
+    bf16_lora = export.to_trainer(planner.predict(spec("llama"), **STEP, precision="bf16", lora_rank=8,
+                                                  adapter_dtype="bf16", lora_dropout=0.05), "m", "o")
+    assert bf16_lora.peft_kwargs == {"autocast_adapter_dtype": False} and bf16_lora.lora.lora_dropout == 0.05
+    assert "autocast_adapter_dtype=False" in bf16_lora.script
+    compile(bf16_lora.script, "train.py", "exec")
+    for exporter in (export.to_accelerate_fsdp, export.to_deepspeed, functools.partial(export.to_script, config={})):
+        with pytest.raises(ValueError, match="to_trainer"):
+            exporter(planner.predict("llama-3.2-1b", **on_gpu, precision="bf16", master_weights=False,
+                                     optimizer="adam8bit", paged_optimizer=True))

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from course_utils import checks, memory, models
+from course_utils import checks, memory, models, planner
 from course_utils.checks import claim
 from notebook_lessons import checker_rejects, exec_lesson_cells
 
@@ -28,6 +28,8 @@ LESSON = {  # a name the notebook defines -> which of its code cells defines it
     "quantize_4bit": lambda src, tags: src.startswith("def quantize_4bit"),
     "LoRA": lambda src, tags: src.startswith("class LoRA"),
     "to_nf4": lambda src, tags: src.startswith("def to_nf4"),
+    "check_qlora_weights": lambda src, tags: src.startswith("def check_qlora_weights"),
+    "qlora_weight_bytes_solution": lambda src, tags: "solution" in tags and "def qlora_weight_bytes_solution" in src,
 }
 RECORDED = {}
 
@@ -40,7 +42,8 @@ def lesson() -> dict:
     results = types.SimpleNamespace(record=lambda name, value, unit: RECORDED.__setitem__(name, value))
     return exec_lesson_cells(NOTEBOOK, LESSON, {
         "torch": torch, "nn": nn, "F": F, "checkpoint": checkpoint, "memory": memory, "checks": checks, "claim": claim,
-        "results": results, "bnb": bnb, "weakref": weakref, "DEVICE": torch.device("cpu")})
+        "results": results, "bnb": bnb, "weakref": weakref, "DEVICE": torch.device("cpu"), "planner": planner,
+        "GIB": 2**30, "EIGHT_B": "llama-3.1-8b", "n_8b": planner.get_model("llama-3.1-8b").n_params})
 
 
 def mlp(layers=4, width=32, seed=0):
@@ -281,3 +284,24 @@ def test_to_nf4_keeps_the_model_close_and_stores_4_bits():
     assert len(layers) == 4
     assert all(m.weight.dtype == torch.uint8 for m in layers)
     assert (after - before).abs().max() <= 0.1 * before.abs().max()
+
+
+def test_the_qlora_weights_exercise_rejects_the_usual_mistakes():
+    L = lesson()
+    check, layer, model = L["check_qlora_weights"], L["nf4_layer_bytes_solution"], L["qlora_weight_bytes_solution"]
+    assert check(layer, model, verbose=False)
+
+    def no_absmax(d_in, d_out):  # the codes alone
+        return (d_in * d_out + 1) // 2 + 64
+
+    def a_byte_a_value(d_in, d_out):  # 4 bits counted as a byte
+        return d_in * d_out + 4 * -(-(d_in * d_out) // 64) + 64
+
+    def everything_in_4_bits(spec):  # the embeddings and the head quantized too
+        return layer(spec.n_params, 1)
+
+    def forgets_the_rest(spec):  # only the quantized layers
+        return spec.n_blocks * sum(layer(d_in, d_out) for _, d_in, d_out in spec.linears)
+
+    assert checker_rejects(lambda fn: check(fn, model, verbose=False), no_absmax, a_byte_a_value)
+    assert checker_rejects(lambda fn: check(layer, fn, verbose=False), everything_in_4_bits, forgets_the_rest)

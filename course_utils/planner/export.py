@@ -4,7 +4,7 @@ ValueError naming the notebook whose loop runs it (the course's choice: no silen
 to the libraries' own offload (DeepSpeed's ZeRO-Offload, FSDP2's ``fsdp_offload_params``), as their docstrings say."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .adapters import targeted
 from .plan import Plan
@@ -30,6 +30,7 @@ class TrainerExport:
     quantization: object = None
     dtype: str = "float32"
     script: str = ""
+    peft_kwargs: dict = field(default_factory=dict)  # for get_peft_model: 16-bit adapters stay in the weights' dtype
 
 
 def model_type(spec) -> str:
@@ -43,10 +44,15 @@ def model_type(spec) -> str:
 
 def lora_config(plan: Plan) -> dict:
     """peft's LoraConfig for the adapters the plan priced: its rank and target layers (all the block's linear layers
-    unless it names some), alpha = 2 x rank, no dropout (dropout keeps one more copy of each adapted input)."""
+    unless it names some), alpha = 2 x rank, its dropout (dropout keeps one more copy of each adapted input)."""
     names = [name for name, _, _ in targeted(plan.model, plan.settings.lora_targets)]
-    return dict(r=plan.settings.lora_rank, lora_alpha=2 * plan.settings.lora_rank, lora_dropout=0.0,
-                target_modules=names, fan_in_fan_out=model_type(plan.model) == "gpt2")
+    return dict(r=plan.settings.lora_rank, lora_alpha=2 * plan.settings.lora_rank,
+                lora_dropout=plan.settings.lora_dropout, target_modules=names,
+                fan_in_fan_out=model_type(plan.model) == "gpt2")
+
+
+# the settings practitioners use that only some exports express: each one's knob value that needs saying
+UNUSUAL = {"paged_optimizer": True, "master_weights": False, "set_to_none": False, "adapter_dtype": "bf16"}
 
 
 def _refuse(plan: Plan, kind: str, allowed=()) -> None:
@@ -55,6 +61,13 @@ def _refuse(plan: Plan, kind: str, allowed=()) -> None:
         where = ", ".join(sorted({NOTEBOOK[k] for k in on}))
         raise ValueError(f"{kind} cannot express {', '.join(on)}: notebook {where} runs it in the course's own loop "
                          "(start from to_script's loop), or plan without it.")
+    unusual = [f"{k}={getattr(plan.settings, k)!r}" for k, v in UNUSUAL.items() if k not in allowed and (
+        getattr(plan.settings, k) == v if k != "adapter_dtype" else getattr(plan.settings, k) != "fp32")
+        and not (k == "master_weights" and plan.settings.precision not in ("fp16", "bf16"))]
+    if unusual:
+        raise ValueError(f"{kind}'s export does not express {', '.join(unusual)}: export the plan with to_trainer "
+                         "(which runs pure 16-bit weights without a master, bitsandbytes' paged optimizers and 16-bit "
+                         "adapters), or plan without it.")
 
 
 def to_trainer(plan: Plan, model_name_or_path: str, output_dir: str, **overrides) -> TrainerExport:
@@ -65,18 +78,23 @@ def to_trainer(plan: Plan, model_name_or_path: str, output_dir: str, **overrides
     from transformers import TrainingArguments
 
     s = plan.settings
-    _refuse(plan, "Trainer")
-    if s.checkpointing == "sqrt" or (s.precision in ("fp16", "bf16") and not s.lora_rank):
+    _refuse(plan, "Trainer", allowed=("paged_optimizer", "master_weights", "adapter_dtype"))
+    if s.checkpointing == "sqrt" or (s.precision in ("fp16", "bf16") and not s.lora_rank and s.master_weights):
         raise ValueError("Trainer checkpoints every block, not sqrt(n) segments (03_gradient_checkpointing), and "
                          "keeps no fp32 master for 16-bit weights (06_capstone_gpt2_xl): plan with checkpointing "
-                         "'block' and precision 'bf16_amp' or 'fp16_amp' (pure 16-bit weights with LoRA only).")
+                         "'block' and precision 'bf16_amp' or 'fp16_amp', or pure 16-bit weights with "
+                         "master_weights=False (the state in 16 bits too), or LoRA.")
     if s.optimizer not in TRAINER_OPTIM:
         raise ValueError(f"Trainer has no optimizer {s.optimizer!r} (notebook 10_beyond_adam builds it): choose one of "
                          f"{sorted(TRAINER_OPTIM)}.")
+    if s.paged_optimizer and s.optimizer not in ("adam", "adamw", "adam8bit"):
+        raise ValueError("Trainer's paged optimizers are bitsandbytes' AdamW: optimizer 'adamw' or 'adam8bit'.")
     ckpt = "activation_checkpointing" if "activation_checkpointing" in TrainingArguments.__dataclass_fields__ else \
         "gradient_checkpointing"  # transformers 5's name, 4's
+    optim = ("paged_adamw_8bit" if s.optimizer == "adam8bit" else "paged_adamw_32bit") if s.paged_optimizer else \
+        TRAINER_OPTIM[s.optimizer]
     kwargs = dict(output_dir=output_dir, per_device_train_batch_size=s.micro_batch,
-                  gradient_accumulation_steps=s.accumulation, optim=TRAINER_OPTIM[s.optimizer], report_to="none",
+                  gradient_accumulation_steps=s.accumulation, optim=optim, report_to="none",
                   save_strategy="no", use_cpu=s.device == "cpu", **{AMP.get(s.precision, "fp16"): s.precision in AMP})
     if s.checkpointing == "block":
         kwargs.update({ckpt: True, ckpt + "_kwargs": {"use_reentrant": False}})
@@ -87,6 +105,7 @@ def to_trainer(plan: Plan, model_name_or_path: str, output_dir: str, **overrides
         from peft import LoraConfig
 
         out.lora = LoraConfig(**lora_config(plan), task_type="CAUSAL_LM")
+        out.peft_kwargs = {"autocast_adapter_dtype": False} if s.adapter_dtype != "fp32" else {}
     quant = dict(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=s.quantize_base != "nf4")
     if s.quantize_base:
         from transformers import BitsAndBytesConfig
@@ -99,8 +118,9 @@ def to_trainer(plan: Plan, model_name_or_path: str, output_dir: str, **overrides
              f"model = AutoModelForCausalLM.from_pretrained({model_name_or_path!r}, dtype=torch.{out.dtype}" + (
                  f", quantization_config=BitsAndBytesConfig(**{quant!r}, bnb_4bit_compute_dtype=torch.{out.dtype})"
                  if s.quantize_base else "") + ")\nmodel.config.use_cache = False",
-             f"model = get_peft_model(model, LoraConfig(**{lora_config(plan)!r}, task_type='CAUSAL_LM'))"
-             if s.lora_rank else "", f"args = TrainingArguments(**{kwargs!r})",
+             f"model = get_peft_model(model, LoraConfig(**{lora_config(plan)!r}, task_type='CAUSAL_LM')"
+             + (", autocast_adapter_dtype=False)  # adapters in the weights' 16 bits" if s.adapter_dtype != "fp32"
+                else ")") if s.lora_rank else "", f"args = TrainingArguments(**{kwargs!r})",
              f"train_dataset = [dict(input_ids=ids, labels=ids) for ids in torch.randint(0, model.config.vocab_size, "
              f"(64, {s.size}))]  # random tokens: put your tokenized data here",
              "Trainer(model=model, args=args, train_dataset=train_dataset).train()\n"]
@@ -224,7 +244,7 @@ def to_script(plan: Plan, model_name_or_path: str | None = None, *, config=None,
     transformers ``config``; the course's checkpointing, autocast, an fp32 master stepped tensor by tensor for 16-bit
     weights, Adam8bit, peft's LoRA) that prints its last step's measured peak. 06, 08 and 09 run host-side settings."""
     s = plan.settings
-    _refuse(plan, "to_script's loop")
+    _refuse(plan, "to_script's loop", allowed=("master_weights",))
     if s.checkpointing == "sqrt" or s.optimizer not in SCRIPT_OPTIM or s.quantize_base:
         raise ValueError(f"to_script's loop runs checkpointing 'none' or 'block', optimizers {sorted(SCRIPT_OPTIM)} "
                          "and LoRA on unquantized weights; notebooks 03_gradient_checkpointing (sqrt(n) segments), "
@@ -247,6 +267,6 @@ def to_script(plan: Plan, model_name_or_path: str | None = None, *, config=None,
              f"{', '.join(s.techniques()) or 'fp32, AdamW'} (exported by course_utils.planner.export.to_script)")
     return SCRIPT.format(title=title, planned=plan.tensor_peak_bytes, imports="\n".join(imports), device=s.device,
                          steps=steps, micro_batch=s.micro_batch, size=s.size, accumulation=s.accumulation, load=load,
-                         master=half and not s.lora_rank, model_lines=lines, optimizer=SCRIPT_OPTIM[s.optimizer],
+                         master=half and not s.lora_rank and s.master_weights, model_lines=lines, optimizer=SCRIPT_OPTIM[s.optimizer],
                          scaler=fp16 and s.precision in AMP, amp=s.precision in AMP, forward=forward,
                          amp_dtype="float16" if fp16 else "bfloat16")

@@ -443,8 +443,11 @@ def predict_settings(model: ModelSpec, gpu: GPUSpec, s: Settings) -> Plan:
     grads_before = 0 if s.stream_grads or s.fused_update or (s.accumulation == 1 and s.set_to_none) else g_all
 
     head = a.get("head_back", a["head"]) if off else a["head"]
-    phases = {"at the start of backward": dict(grads=grads_before, activations=stem + head + sum(kept),
-                                               other=a["loss"] + weight_copies)}
+    saved_name = "checkpoints (each block's input)" if s.checkpointing != "none" else "every block's saved tensors"
+    phases = {"at the start of backward": dict(
+        grads=grads_before, activations=stem + head + sum(kept), other=a["loss"] + weight_copies,
+        _named={saved_name: stem + sum(kept), "logits and loss": head + a["loss"],
+                "autocast's 16-bit weight copies": weight_copies})}
     done_grads = g_head if not s.stream_grads else 0
     candidates = []
     for seg in reversed(a["segments"]):  # block by block, last to first
@@ -464,22 +467,40 @@ def predict_settings(model: ModelSpec, gpu: GPUSpec, s: Settings) -> Plan:
             else:  # offloaded: the block's saved tensors come back op by op, and the op's gradients take their place
                 live_acts, temps = (a["block"][i], 0) if off else (stem + sum(a["block"][: i + 1]), temps)
             other = temps + weight_copies + (per_tensor_scratch * g_one[i] / gw if s.fused_update else 0)
-            candidates.append(dict(grads=g_now, activations=live_acts, other=other))
+            recomputed = sum(a["block"][j] for j in seg if j <= i) if s.checkpointing != "none" else 0
+            candidates.append(dict(grads=g_now, activations=live_acts, other=other, _named={
+                saved_name: live_acts - recomputed, "the block recomputed for backward": recomputed,
+                "backward's temporaries": other - weight_copies, "autocast's 16-bit weight copies": weight_copies}))
             if not s.stream_grads:
                 done_grads += grads_of[i]
-    phases["in backward"] = max(candidates, key=lambda c: sum(c.values()))
+    phases["in backward"] = max(candidates, key=_total)
     if s.fused_update:  # the largest tensor steps last (GPT-2's tied embedding), first (an untied head, while every
         # block's activations wait for backward) or in its block
         biggest = max(0 if lora else model.largest_tensor, max(g_one) // gw)
         first = model.output_per_unit and not model.tied_head and not lora
-        phases["stepping the largest tensor"] = dict(grads=biggest * gw, activations=stem + sum(kept) * bool(first),
-                                                     other=per_tensor_scratch * biggest)
+        phases["stepping the largest tensor"] = dict(
+            grads=biggest * gw, activations=stem + sum(kept) * bool(first), other=per_tensor_scratch * biggest,
+            _named={saved_name: stem + sum(kept) * bool(first), "the optimizer step's scratch": per_tensor_scratch
+                    * biggest})
     elif not s.stream_grads:  # Adam's fp32 scratch: foreach on CUDA a copy of the model, on a CPU 2 x a tensor's
         scratch = item * n_train if s.device == "cuda" else 2 * item * (adapter if lora else model.largest_tensor)
-        phases["in optimizer.step()"] = dict(grads=g_all, activations=0, other=scratch if adam else 0)
-    phase = max(phases, key=lambda k: sum(phases[k].values()))
+        phases["in optimizer.step()"] = dict(grads=g_all, activations=0, other=scratch if adam else 0,
+                                             _named={"the optimizer step's scratch": scratch if adam else 0})
+    phase = max(phases, key=lambda k: _total(phases[k]))
     parts = dict(params=params, optimizer=optimizer, **phases[phase])
     by_cat = {k: int(round(parts[k])) for k in MEMORY_CATEGORIES}
+    if s.quantize_base:  # the named parts of the persistent state (Plan.breakdown)
+        named = {"4-bit weights": base_bytes(model, s.quantize_base, 0),
+                 "16-bit embeddings, norms and head": frozen - base_bytes(model, s.quantize_base, 0)}
+    else:
+        named = {("frozen weights" if lora else "weights"): frozen}
+    if lora:
+        named["adapters, their gradients and state"] = ab * n_train + by_cat["grads"] + optimizer
+    else:
+        master = 4 * n if half and s.master_weights and not s.master_on_cpu else 0
+        named.update({"gradients": by_cat["grads"], "optimizer state": optimizer - master,
+                      "fp32 master weights": master})
+    named.update(phases[phase]["_named"])
     tensor_peak = sum(by_cat.values())
     cc = tuple(gpu.compute_capability) if gpu.compute_capability else None
     by_cat["overhead"] = gpu_bytes_needed(tensor_peak, cc, gpu.context_bytes) - tensor_peak if s.device == "cuda" else 0
@@ -487,6 +508,8 @@ def predict_settings(model: ModelSpec, gpu: GPUSpec, s: Settings) -> Plan:
     overhead_parts["reserve"] = by_cat["overhead"] - sum(overhead_parts.values())
     if s.device != "cuda":
         overhead_parts = {k: 0 for k in overhead_parts}
+    named.update({"cuBLAS workspaces": overhead_parts["workspaces"], "allocator reserve": overhead_parts["reserve"],
+                  "CUDA context": overhead_parts["context"]})
     notes = []
     if any(key.startswith("cuda-") for key in model.acts):  # measured with attention
         notes.append("attention: " + ("PyTorch's fused SDPA kernel (flash for fp16/bf16, memory-efficient for fp32): "
@@ -509,7 +532,12 @@ def predict_settings(model: ModelSpec, gpu: GPUSpec, s: Settings) -> Plan:
                                             if spilled else ""))
     return Plan(model=model, gpu=gpu, settings=s, by_category=by_cat, phase=phase,
                 step_seconds=step_seconds(model, gpu, s, spilled), notes=notes, host_bytes=host, paged_bytes=paged,
-                overhead_parts=overhead_parts)
+                overhead_parts=overhead_parts, named_parts={k: int(round(v)) for k, v in named.items() if round(v)})
+
+
+def _total(phase: dict) -> float:
+    """A phase's bytes beyond the persistent state (its named parts split the same bytes)."""
+    return phase["grads"] + phase["activations"] + phase["other"]
 
 
 def step_seconds(model: ModelSpec, gpu: GPUSpec, s: Settings, paged_out: int = 0) -> float:

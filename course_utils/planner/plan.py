@@ -35,6 +35,7 @@ class Plan:
     host_bytes: int = 0  # what the plan keeps in host RAM (master weights, CPU optimizer, streamed and offloaded)
     paged_bytes: int = 0  # optimizer state in CUDA unified memory (paged optimizers): outside PyTorch's allocator
     overhead_parts: dict = field(default_factory=dict)  # the overhead: allocator reserve, cuBLAS workspaces, context
+    named_parts: dict = field(default_factory=dict)  # the peak by what it is (see breakdown)
 
     @property
     def peak_bytes(self) -> int:
@@ -79,6 +80,15 @@ class Plan:
         card = reserved + self.overhead_parts["context"]
         return {"max_memory_allocated": allocated, "max_memory_reserved": reserved,
                 "nvidia-smi": card + max(0, min(self.paged_bytes, self.gpu.memory_bytes - card))}
+
+    def breakdown(self):
+        """The peak by what it is, in GiB (a pandas Series that sums to :attr:`peak_bytes`): the weights (4-bit ones
+        and the 16-bit rest under QLoRA), adapters with their gradients and state, or gradients, optimizer state and
+        master weights, the checkpoints or saved tensors, the block recomputed, logits and loss, temporaries, and the
+        card's overhead (cuBLAS workspaces, allocator reserve, CUDA context)."""
+        import pandas as pd
+
+        return pd.Series({k: v / GIB for k, v in self.named_parts.items()}, name="GiB")
 
     def __str__(self) -> str:
         """The total the card needs against its memory, its range and verdict, the categories, the counters, the host
