@@ -100,3 +100,10 @@ def test_the_json_is_package_data():
 
     text = resources.files("course_utils.planner").joinpath("published.json").read_text(encoding="utf-8")
     assert json.loads(text)["rows"]
+
+
+def test_what_was_left_out_says_why():
+    excluded = published.published_data()["excluded"]
+    assert len(excluded) >= 10
+    assert all(entry["source"] and len(entry["why"]) > 20 for entry in excluded)
+    assert any("torch.compile" in entry["why"] for entry in excluded)  # what the planner does not model, said
