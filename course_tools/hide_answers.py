@@ -4,9 +4,10 @@ After a notebook's outputs are refreshed, ``python -m course_tools.hide_answers 
 
 * empties each ``predict`` cell: every ``my_... = <number>`` becomes ``my_... = None`` (the comment, which says what
   to predict and in what unit, stays);
-* clears the outputs of the cells from each ``predict`` cell down to the first code cell that reads one of its names
-  (where the measurement is compared with the prediction), so the measured answer is not on the page before the
-  learner has typed a number and run the cells;
+* clears the outputs of the cells from each ``predict`` cell to the end of its section (the next ``#`` or ``##``
+  heading): the reveal (the first code cell that reads one of its names, where the measurement is compared with the
+  prediction) and everything after it that could restate the answer, so the measured answer is not on the page before
+  the learner has typed a number and run the cells;
 * clears the outputs of ``predict`` and ``solution`` cells.
 
 The cells still run under nbval (a ``None`` prediction prints what to type and records nothing). A cleared cell must
@@ -21,6 +22,7 @@ import sys
 from pathlib import Path
 
 ASSIGNMENT = re.compile(r"^(my_\w+)(\s*=\s*)([^#\n]*?)(\s*(#.*)?)$", re.M)
+SECTION = re.compile(r"^#{1,2} ")  # a section starts at a level-1 or level-2 heading
 
 
 def _source(cell) -> str:
@@ -42,13 +44,11 @@ def hidden_cells(cells) -> dict[int, str]:
         if "predict" not in _tags(cell):
             continue
         hidden[i] = "a predict cell"
-        names = ASSIGNMENT.findall(_source(cell))
         for j in range(i + 1, len(cells)):
-            if cells[j]["cell_type"] != "code":
-                continue
-            hidden[j] = f"shows the answer to the prediction in cell {i}"
-            if any(re.search(rf"\b{name}\b", _source(cells[j])) for name, *_ in names):
+            if cells[j]["cell_type"] == "markdown" and SECTION.match(_source(cells[j])):
                 break
+            if cells[j]["cell_type"] == "code":
+                hidden[j] = f"is in the section of the prediction in cell {i}"
     return hidden
 
 

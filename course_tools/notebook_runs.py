@@ -118,10 +118,12 @@ class NotebookRuns:
                                     self.profile)
         # What the notebook recorded under its fresh HOME, where this test run keeps results (tests that compare
         # notebooks read it there, as after a run in this environment).
-        recorded = Path(result["home"]) / "when-the-model-does-not-fit" / "results" / f"{path.stem}.json"
-        if self.results_dir is not None and recorded.is_file():
-            self.results_dir.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(recorded, self.results_dir / recorded.name)
+        folder = Path(result["home"]) / "when-the-model-does-not-fit" / "results"
+        for recorded, kept in ((folder / f"{path.stem}.json", f"{path.stem}.json"),  # its figures, its answers revealed
+                               (folder / "reveals" / f"{path.stem}.json", f"reveals/{path.stem}.json")):
+            if self.results_dir is not None and recorded.is_file():
+                (self.results_dir / kept).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(recorded, self.results_dir / kept)
         with self._lock:
             if all(f.done() for p, f in self._futures.items() if p != path):
                 self.finished = time.perf_counter()

@@ -1,5 +1,6 @@
 """Headline figures: ``record(name, value, unit)`` appends to results/<notebook>.json in
-``$COURSE_RESULTS_DIR`` or the course home's results/."""
+``$COURSE_RESULTS_DIR`` or the course home's results/; ``record_reveal`` keeps, apart, each answer a prediction cell
+revealed (results/reveals/<notebook>.json), which the tests search the saved course for."""
 from __future__ import annotations
 
 import json
@@ -62,3 +63,25 @@ def load_notebook(notebook: str, folder: str | Path | None = None) -> dict:
         return json.loads(path.read_text())
     except json.JSONDecodeError as err:
         raise ValueError(f"{path} is not valid JSON ({err}); delete it and re-run the notebook.") from None
+
+
+def record_reveal(name: str, value, unit: str) -> None:
+    """Keep the answer a prediction's reveal showed (``checks.compare_prediction`` calls it), in the order revealed,
+    in ``results/reveals/<notebook>.json``: the tests look for each in the saved course, where it must not appear
+    before its reveal. Outside a notebook (no ``setup``), nothing is kept."""
+    if _current_notebook is None:
+        return
+    folder = paths.results_dir() / "reveals"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{_current_notebook}.json"
+    reveals = [r for r in load_reveals(_current_notebook, folder.parent) if r["name"] != name] + [
+        {"name": name, "value": value.item() if hasattr(value, "item") else value, "unit": unit}]
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(reveals, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def load_reveals(notebook: str, folder: str | Path | None = None) -> list[dict]:
+    """The answers ``notebook``'s predictions revealed when it last ran (see :func:`record_reveal`)."""
+    path = Path(folder or paths.results_dir()) / "reveals" / f"{notebook}.json"
+    return json.loads(path.read_text()) if path.exists() else []

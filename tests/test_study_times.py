@@ -1,9 +1,12 @@
 """course_tools.study_times: run time read from a validation report, study time counted from the notebook."""
 import json
+from pathlib import Path
 
 import pytest
 
 from course_tools import study_times
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def _notebook(path, cells):
@@ -69,3 +72,23 @@ def test_bad_inputs_are_explained(tmp_path):
 def test_the_course_itself():
     rows = study_times.table()
     assert len(rows) >= 8 and all(r.words > 300 for r in rows)
+
+
+def test_start_here_is_a_20_minute_start_with_one_prediction_and_each_notebooks_time():
+    """00 takes at most 20 minutes by the course's own count, asks one prediction, and its map gives each notebook's
+    time: the study-times table's (one number per quantity)."""
+    import re
+
+    notebooks = sorted((ROOT / "notebooks").glob("*.ipynb"))
+    start = next(p for p in notebooks if p.name.startswith("00_"))
+    table = (ROOT / "INSTRUCTORS.md").read_text().split("<!-- study-times:begin -->")[1]
+    run_s = float(re.search(r"^\| 00_start_here \|.*\| (\d+) s \|", table, re.M).group(1))
+    assert study_times.count(start, run_s).study_minutes <= 20
+    cells = json.loads(start.read_text(encoding="utf-8"))["cells"]
+    assert sum("predict" in c.get("metadata", {}).get("tags", []) for c in cells) == 1
+    study = {n: int(m) for n, m in re.findall(r"^\| (\d\d[a-z]?)_\w+ \|.* (\d+) min \|$", table, re.M)}
+    prose = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
+    shown = dict(re.findall(r"^\| (\d\d[a-z]?) \| \[[^\]]+\]\(\d\d[a-z]?_\w+\.ipynb\) \|.*\| (\d+) min \|$", prose, re.M))
+    assert shown and {n: int(m) for n, m in shown.items()} == {n: study[n] for n in shown}, shown
+    assert set(shown) == set(study), "every notebook's time is on the map"
+    assert "08_current_toolbox.ipynb#your-model-your-card" in prose, "my LLM on my card: 08's section 8"
