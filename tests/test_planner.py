@@ -566,3 +566,22 @@ def test_the_search_weighs_micro_batches_of_1_and_2():
         "T4"), spec))
     assert {s.micro_batch for s in tried} == {1, 2, 3, 6}
     assert {(s.micro_batch, s.accumulation) for s in tried} >= {(1, 6), (2, 3)}
+
+
+def test_a_card_without_flash_runs_grouped_query_attention_in_the_math_kernel():
+    """A T4 (compute capability 7.5) has no flash attention, and the memory-efficient kernel takes no grouped key/value
+    heads: SDPA falls back to its math kernel, which keeps T x T probabilities. Models with as many key/value heads
+    as query heads (Llama 2, GPT-2) keep the memory-efficient kernel there."""
+    kw = dict(micro_batch=1, size=1024, precision="fp16", lora_rank=16, quantize_base="nf4")
+    from course_utils.planner.model import attention_kernel
+
+    for model, kernel in (("llama-3.1-8b", "math"), ("llama-2-7b", "fused"), ("gpt2-xl", "fused")):
+        spec = planner.get_model(model)
+        knobs = kw if spec.linears else dict(micro_batch=1, size=1024, precision="fp16")
+        s = planner.make_settings(spec, **knobs)
+        assert attention_kernel(spec, planner.get_gpu("T4"), s) == kernel, model
+        assert attention_kernel(spec, planner.get_gpu("A100 (40 GB)"), s) == "fused", model
+    t4, a100 = (planner.predict("llama-3.1-8b", g, **kw) for g in ("T4", "A100 (40 GB)"))
+    assert t4.by_category["activations"] > 1.3 * a100.by_category["activations"]
+    assert "math kernel" in t4.notes[0] and "flash" in a100.notes[0]
+    assert planner.get_model("llama-3.1-8b").grouped_query and not planner.get_model("llama-2-7b").grouped_query

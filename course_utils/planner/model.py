@@ -49,6 +49,7 @@ from ..validation import positive_int
 from .adapters import QUANTIZATIONS, base_bytes, check_targets, lora_tensors, quantized_numel, targeted
 from .llm import ADAPTER_DTYPES, adapter_coeffs
 from .plan import Plan
+from .state import BEYOND_ADAM, optimizer_state, paged_state_bytes, state_bytes, tensor_sizes
 from .specs import GPUSpec, ModelSpec, get_gpu, get_model, presets
 
 MFU = 0.40
@@ -59,10 +60,6 @@ LORA_WIDTHS_PER_BLOCK = 16  # r x (d + 3d) + r x 2d + r x 5d + r x 5d: GPT-2's c
 # The CPU optimizer's step, ns per parameter, until notebook 08 (10 for its optimizers) records the learner's own
 CPU_STEP_REFERENCE = {name: d["reference_ns"] for name, d in presets()["cpu_step"].items()}
 CPU_STEP_NOTEBOOK = "08_current_toolbox"
-# notebook 10's optimizers, priced for a transformer's shapes (optimizer_state); the bf16 one keeps no fp32 master
-BEYOND_ADAM = {"adafactor": "Adafactor (factored second moment)", "lion": "Lion (one moment)",
-               "adam_mini": "Adam-mini (one v per block)", "galore": "GaLore (low-rank projection)",
-               "apollo": "APOLLO (random low-rank scaling)", "adamw_bf16_sr": "bf16 AdamW with stochastic rounding"}
 
 CATEGORIES = MEMORY_CATEGORIES + ("overhead",)  # what measure_memory reports, plus the card's overhead
 CHECKPOINTING = ("none", "block", "sqrt")
@@ -146,63 +143,6 @@ def cpu_step_ns(cpu_optimizer: str) -> tuple[float, str]:
     if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
         return float(value), f"measured on this machine by notebook {notebook} ({entry.get('profile')})"
     return CPU_STEP_REFERENCE[cpu_optimizer], "reference: 2 cores of the course's CI machine"
-
-
-def optimizer_state(model: ModelSpec, optimizer: str) -> int:
-    """State bytes of notebook 10's optimizers for a transformer of width d (GPT-2's shapes: per block the matrices
-    d x 3d, d x d, d x 4d, 4d x d and 13 d vector values; the head: embedding rows of d values), as each library keeps
-    it: Adafactor a row and a column mean per matrix; Lion m; Adam-mini m and one v per row (embeddings, MLP), per
-    bias value or per other tensor; GaLore and APOLLO (rank d/4) m, v of the projected matrices and the projection
-    (GaLore's a view of the SVD's factor: d^2 values), AdamW elsewhere; bf16 AdamW + SR m, v in bf16."""
-    if model.unit != "token" or model.linears:
-        raise ValueError(f"optimizer={optimizer!r} is priced for transformers of GPT-2's and BERT's "
-                         f"shapes; {model.name} is not one: choose 'adam', 'adamw', 'adam8bit' or 'sgd'.")
-    d, n, nb = model.hidden_size, model.n_params, model.n_blocks
-    mats, vec, r, rows = ((d, 3 * d), (d, d), (d, 4 * d), (4 * d, d)), 13 * d, d // 4, model.head_params // d
-    per_block = {"adafactor": 4 * sum(a + b for a, b in mats) + 4 * vec + 48,
-                 "adam_mini": 4 * (12 * d * d + vec) + 4 * (9 * d + 5 * d + 4),
-                 "galore": sum(8 * r * max(m) + 4 * min(m) ** 2 for m in mats) + 8 * vec,
-                 "apollo": sum(4 * r * (2 * max(m) + min(m)) for m in mats) + 8 * vec}
-    head = {"adafactor": 4 * (rows + 4 * d), "adam_mini": 4 * (model.head_params + rows + 2),
-            "galore": 8 * model.head_params, "apollo": 8 * model.head_params}
-    if optimizer in per_block:
-        return nb * per_block[optimizer] + head[optimizer]
-    return 4 * n  # lion: m in fp32; adamw_bf16_sr: m and v in bf16
-
-
-def state_bytes(model: ModelSpec, optimizer: str, n: int, sizes=None, dtype: str = "fp32") -> int:
-    """The optimizer's state for ``n`` trainable values whose state is kept in ``dtype`` (fp32; 16 bits for pure
-    16-bit training without a master, or 16-bit adapters): notebook 10's by the model's shapes, the others by
-    :func:`course_utils.estimate.optimizer_state_bytes`."""
-    if optimizer in BEYOND_ADAM:
-        return optimizer_state(model, optimizer)
-    return optimizer_state_bytes(n, optimizer, param_dtype=dtype, tensor_sizes=sizes)
-
-
-def tensor_sizes(model: ModelSpec) -> list[int]:
-    """Numel of each trainable tensor, as the optimizer sees them: a transformers LLM's linear weights by name, the
-    rest of each block (norms, biases) and of the head (embeddings, norm) as one tensor each; for the other presets,
-    the largest tensor and one per block."""
-    if not model.linears:
-        return [model.largest_tensor] + [max(1, (model.n_params - model.largest_tensor) // model.n_blocks)] * \
-            model.n_blocks
-    block = [d_in * d_out for _, d_in, d_out in model.linears]
-    rest = [bp - sum(block) for bp in model.block_params]
-    embeddings = round(model.output_per_unit) * model.hidden_size
-    head = [embeddings] * (1 if model.tied_head else 2)
-    return [x for i in range(model.n_blocks) for x in block + [rest[i]] if x > 0] + head + \
-        [x for x in [model.head_params - sum(head)] if x > 0]
-
-
-PAGED_MIN_NUMEL = 100_000  # bitsandbytes pages the state of tensors this large (get_state_buffer); smaller stay put
-
-
-def paged_state_bytes(optimizer: str, sizes) -> int:
-    """The part of a paged bitsandbytes optimizer's state in CUDA unified memory: m and v of each tensor of
-    ``PAGED_MIN_NUMEL`` values or more (uint8 for 8-bit AdamW, fp32 for its 32-bit AdamW); their absmax stay
-    ordinary tensors."""
-    per_value = 2 if optimizer == "adam8bit" else 8
-    return sum(per_value * n for n in sizes if n >= PAGED_MIN_NUMEL)
 
 
 def lora_params(model: ModelSpec, rank: int, targets=None) -> int:
@@ -348,19 +288,32 @@ def predict(model, gpu="RTX 3060 (12 GB)", **settings) -> Plan:
     return predict_settings(model, get_gpu(gpu), make_settings(model, **settings))
 
 
-def _activations(model: ModelSpec, s: Settings) -> dict:
-    """Per micro-batch bytes of what forward saves (stem, each block, head), kept, and the loss's temporaries."""
+def attention_kernel(model: ModelSpec, gpu: GPUSpec, s: Settings) -> str:
+    """Whose attention the GPU runs for 'fused' (PyTorch's SDPA): 'fused' (flash from compute capability 8.0, or the
+    memory-efficient kernel: neither keeps T x T tensors), or 'math' where a card without flash (a T4: 7.5) meets
+    grouped-query heads: the memory-efficient kernel takes no grouped key/value heads, so SDPA falls back to its math
+    kernel (transformers passes enable_gqa when there is no padding mask), which keeps the T x T probabilities."""
+    if s.device != "cuda" or s.attention != "fused":
+        return s.attention
+    cc = tuple(gpu.compute_capability) if gpu.compute_capability else (9, 0)
+    return "math" if cc < (8, 0) and model.grouped_query else "fused"
+
+
+def _activations(model: ModelSpec, s: Settings, kernel: str | None = None) -> dict:
+    """Per micro-batch bytes of what forward saves (stem, each block, head), kept, and the loss's temporaries;
+    ``kernel``: the attention the card runs (:func:`attention_kernel`; default the settings')."""
     half, amp = s.precision in ("fp16", "bf16"), s.precision.endswith("_amp")
     lora = s.lora_rank is not None
     kind = "half" if half else "amp" if amp else "fp32"
+    kernel = kernel or s.attention
     names = [x[0] for x in targeted(model, s.lora_targets)]
     if lora and ((s.lora_targets is not None and model.config) or s.adapter_dtype != "fp32" or s.lora_dropout):
         # adapters on some layers, in 16 bits or with dropout: what each adapted layer saves, measured from the config
         c = adapter_coeffs(model, names, s.adapter_dtype, s.lora_dropout,
-                           "cpu" if s.device == "cpu" else f"cuda-{s.attention}", kind)
+                           "cpu" if s.device == "cpu" else f"cuda-{kernel}", kind)
         measured = len(names)
     else:  # stored: rank-1 fp32 adapters on every linear layer (or, for GPT-2, the full model's activations)
-        c = model.coeffs(s.device, s.attention, kind, lora)
+        c = model.coeffs(s.device, kernel, kind, lora)
         measured = len(model.linears) if lora and model.lora_acts else 0
     B, u, nb = s.micro_batch, _units(model, s.size), model.n_blocks
     adapters = len(names) if model.linears or s.lora_targets else 4
@@ -425,7 +378,8 @@ def predict_settings(model: ModelSpec, gpu: GPUSpec, s: Settings) -> Plan:
         optimizer -= paged  # in CUDA unified memory: outside PyTorch's allocator
     weight_copies = 2 * n if amp else 0  # autocast's fp16/bf16 copies of the weights (kept for backward)
 
-    a = _activations(model, s)
+    kernel = attention_kernel(model, gpu, s)
+    a = _activations(model, s, kernel)
     grads_of = [gw * n_train // nb] * nb if lora else [bp * w for bp in model.block_params]
     g_head = 0 if lora else model.head_params * w
     g_all = n_train * gw
@@ -513,7 +467,10 @@ def predict_settings(model: ModelSpec, gpu: GPUSpec, s: Settings) -> Plan:
     notes = []
     if any(key.startswith("cuda-") for key in model.acts):  # measured with attention
         notes.append("attention: " + ("PyTorch's fused SDPA kernel (flash for fp16/bf16, memory-efficient for fp32): "
-                                      "no T x T tensors" if s.attention == "fused" else
+                                      "no T x T tensors" if kernel == "fused" else
+                                      "SDPA's math kernel: this card has no flash attention (compute capability "
+                                      "below 8.0) and the memory-efficient kernel takes no grouped-query heads, so "
+                                      "T x T probabilities are kept" if s.attention == "fused" else
                                       "math path (T x T probabilities, dropout mask and dropped probabilities kept)"))
     if s.master_on_cpu:
         ns, source = cpu_step_ns(s.cpu_step_optimizer)
@@ -577,7 +534,8 @@ def step_seconds(model: ModelSpec, gpu: GPUSpec, s: Settings, paged_out: int = 0
         passes = s.accumulation * (2 + (s.checkpointing != "none"))
         opt += passes * quantized_numel(model) * (0.5 + 2 * w) / (gpu.mem_bandwidth_gbs * 1e9)
     # side-stream copies beside compute: only the part longer than compute shows
-    copies = s.accumulation * (2 * _activations(model, s)["saved"] * s.offload_activations
+    copies = s.accumulation * (2 * _activations(model, s, attention_kernel(model, gpu, s))["saved"] *
+                               s.offload_activations
                                + 2 * n * w * s.stream_weights)
     return compute + opt + max(0.0, pcie_seconds(round(copies), gpu.pcie) - compute) + \
         pcie_seconds(2 * paged_out, gpu.pcie)

@@ -138,6 +138,15 @@ class ModelSpec:
     config: str | None = None  # a transformers model's config (JSON): adapters on other layers are measured from it
 
     @property
+    def grouped_query(self) -> bool:
+        """Fewer key/value heads than query heads (grouped-query attention), as its transformers config says."""
+        if not self.config:
+            return False
+        values = json.loads(self.config)
+        heads = values.get("num_attention_heads")
+        return bool(heads and values.get("num_key_value_heads") and values["num_key_value_heads"] < heads)
+
+    @property
     def hidden_size(self) -> int:
         """A transformer's width d (given, or from its block's 12 d**2 + 13 d parameters: GPT-2 and BERT)."""
         return self.hidden or round((-13 + math.sqrt(169 + 48 * max(self.block_params))) / 24)
