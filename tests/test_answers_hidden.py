@@ -6,7 +6,9 @@ saved outputs there are cleared by ``course_tools.hide_answers``; the prose must
 of a result is printed by the cell that measures it).
 
 An answer is searched as the reveal printed it and at three significant digits; a number with fewer significant
-digits is searched only with its unit beside it ("16 bytes"), a bare small number being everywhere. These run after
+digits is searched only with its unit beside it ("16 bytes"), a bare small number being everywhere. In the notebooks
+before, an answer without a unit (a ratio, a fraction) is searched only at four significant digits or more: another
+notebook's table of timings shows many a bare 0.123 that has nothing to do with it. These run after
 the notebooks of the same session (marker ``after_notebooks``); run alone they skip, saying so.
 """
 from __future__ import annotations
@@ -54,9 +56,9 @@ def significant_digits(text: str) -> int:
     return len(text.replace(",", "").replace("-", "").split("e")[0].replace(".", "").strip("0"))
 
 
-def patterns(value, unit: str) -> list[re.Pattern]:
+def patterns(value, unit: str, fewest_digits: int = 3) -> list[re.Pattern]:
     """How an answer could be written: as the reveal printed it and at three significant digits; with its unit when
-    the number alone has fewer than three significant digits."""
+    the number alone has fewer than ``fewest_digits`` significant digits (without a unit, then, not at all)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         return []
     forms = {_fmt(value)}
@@ -66,7 +68,7 @@ def patterns(value, unit: str) -> list[re.Pattern]:
     found = []
     for form in forms:
         number = rf"(?<![\d.,]){re.escape(form)}(?![\d]|[.,]\d|[eE][+-]?\d)"  # not a longer number, nor 1.16e+07
-        if significant_digits(form) >= 3:
+        if significant_digits(form) >= fewest_digits:
             found.append(re.compile(number))
         elif unit:
             found.append(re.compile(number + rf"\s?{re.escape(unit)}\b"))
@@ -105,8 +107,9 @@ def test_no_answer_is_on_the_page_before_its_reveal(path):
         index = predicts[min(k, len(predicts) - 1)][0] if predicts else len(cells) - 1
         where = {p: course[p] for p in NOTEBOOKS[:NOTEBOOKS.index(path)]}  # the notebooks before
         where[path] = cells[:section_end(cells, index)]  # its own, to the end of the prediction's section
-        for pattern in patterns(answer["value"], answer["unit"]):
-            for notebook, shown in where.items():
+        for notebook, shown in where.items():
+            elsewhere = notebook != path and not answer["unit"]   # a bare ratio in another notebook: 4 digits
+            for pattern in patterns(answer["value"], answer["unit"], fewest_digits=4 if elsewhere else 3):
                 for i, cell in enumerate(shown):
                     if pattern.search(cell_text(cell)):
                         leaks.append(f"{answer['name']} = {_fmt(answer['value'])} {answer['unit']} is shown in "
@@ -123,3 +126,6 @@ def test_the_search_finds_an_answer_in_prose_and_in_outputs():
     assert any(p.search("16 bytes a parameter") for p in patterns(16, "bytes"))
     assert not any(p.search("0.2571") for p in patterns(0.257, ""))  # a longer number is another number
     assert not any(p.search("1.16e+07 bytes") for p in patterns(1.1616, "x"))
+    assert any(p.search("share 0.123") for p in patterns(0.123, ""))  # its own notebook: three digits
+    assert not any(p.search("share 0.123") for p in patterns(0.123, "", fewest_digits=4))  # another's: four
+    assert any(p.search("share 0.1234") for p in patterns(0.1234, "", fewest_digits=4))
