@@ -13,7 +13,9 @@ interpreter, plus a ``.pth`` file whose one line names a folder of symlinks to t
 minus the course's own entries (``course_utils``, ``course_tools``, their dist-info, the editable finder) and minus
 every ``.pth`` file. A plain path line in a ``.pth`` file does not run the ``.pth`` files of the folder it adds, so
 no editable finder can leak the repository in (naming this site-packages directly would hide the module too, but
-pip would still see the editable install's dist-info and report it as installed outside the environment).
+pip would still see the editable install's dist-info and report it as installed outside the environment). The folder
+can also leave out other distributions (``without``): tests/test_without_optional.py runs notebooks where the
+optional packages were never installed.
 
 How the network is off: a new user, network and mount namespace (``unshare -rnm``) whose only interface is
 loopback, brought up for the kernel's sockets and notebook 07's gloo processes; there the repository is also
@@ -26,6 +28,7 @@ each notebook, so a budget is a multiple of what this machine does now, not an a
 """
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import re
@@ -118,6 +121,27 @@ def _course_installed_report():
 
 _course_installed_report()
 del _course_installed_report
+"""
+
+# With keep_output, a second startup file: the text the cells print also goes to a file (the kernel's stdout is
+# ipykernel's stream to the notebook; this copies what passes through it).
+KEEP_OUTPUT_STARTUP = """
+def _course_keep_output():
+    import os, sys
+
+    log = open(os.environ["COURSE_INSTALLED_OUTPUT"], "a", encoding="utf-8")
+    stream, write = sys.stdout, sys.stdout.write
+
+    def tee(text):
+        log.write(text)
+        log.flush()
+        return write(text)
+
+    stream.write = tee
+
+
+_course_keep_output()
+del _course_keep_output
 """
 
 # Fallback network-off for machines without user namespaces: loopback connections only.
@@ -327,13 +351,29 @@ def is_course_entry(name: str) -> bool:
         (".pth", ".egg-link"))
 
 
-def dependency_folder(folder: Path) -> Path:
-    """Fill ``folder`` with symlinks to this environment's site-packages without the course itself."""
+def distribution_entries(import_names) -> set[str]:
+    """The top-level entries of site-packages (package folders, modules, the ``.dist-info`` folder) that the
+    distributions providing ``import_names`` installed: leaving them out is as if pip had never installed them."""
+    providers = importlib.metadata.packages_distributions()
+    entries = set()
+    for name in import_names:
+        for dist_name in providers.get(name, []):
+            for file in importlib.metadata.distribution(dist_name).files or []:
+                top = file.parts[0]
+                if top != "..":
+                    entries.add(top)
+    return entries
+
+
+def dependency_folder(folder: Path, without=()) -> Path:
+    """Fill ``folder`` with symlinks to this environment's site-packages without the course itself, and without
+    the distributions of the import names in ``without`` (their files and their metadata)."""
+    left_out = distribution_entries(without)
     for site in dict.fromkeys(Path(sysconfig.get_paths()[key]) for key in ("purelib", "platlib")):
         if not site.is_dir():
             continue
         for entry in site.iterdir():
-            if not is_course_entry(entry.name) and not (folder / entry.name).exists():
+            if not is_course_entry(entry.name) and entry.name not in left_out and not (folder / entry.name).exists():
                 (folder / entry.name).symlink_to(entry)
     return folder
 
@@ -350,15 +390,20 @@ def fresh_environment(work: Path, dependencies: Path, isolation: str) -> tuple[P
     return venv / "bin" / "python", site
 
 
-def kernel_env(work: Path, python: Path, wheel: Path, threads: int | None = None, profile: str | None = None) -> dict:
+def kernel_env(work: Path, python: Path, wheel: Path, threads: int | None = None, profile: str | None = None,
+               keep_output: bool = False, cuda_rounding: bool = False) -> dict:
     """The kernel's whole environment (nothing inherited). ``profile`` defaults to this process's COURSE_PROFILE (smoke
     if unset); a caller in a background thread passes the one it read at its start, because a unit test running
-    beside it may set COURSE_PROFILE for a moment."""
+    beside it may set COURSE_PROFILE for a moment. ``keep_output``: the cells' printed text also goes to
+    ``work/output.txt``. ``cuda_rounding``: the course's tracker counts every storage in CUDA's 512-byte blocks
+    (``COURSE_CUDA_ROUNDING=1``), so that the notebook's exact-byte claims are checked as a GPU would count."""
     home, tmp, jupyter, ipython = work / "home", work / "tmp", work / "jupyter", work / "ipython"
     kernel_dir, startup = jupyter / "kernels" / KERNEL_NAME, ipython / "profile_default" / "startup"
     for folder in (home, tmp, kernel_dir, startup):
         folder.mkdir(parents=True, exist_ok=True)
     (startup / "00_course_installed_report.py").write_text(REPORT_STARTUP)
+    if keep_output:
+        (startup / "01_course_keep_output.py").write_text(KEEP_OUTPUT_STARTUP)
     (kernel_dir / "kernel.json").write_text(json.dumps({
         "argv": [str(python), "-m", "ipykernel_launcher", "-f", "{connection_file}"],
         "display_name": "course, installed from the wheel", "language": "python"}))
@@ -367,20 +412,22 @@ def kernel_env(work: Path, python: Path, wheel: Path, threads: int | None = None
             "PATH": f"{python.parent}:/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONNOUSERSITE": "1",
             "COURSE_PROFILE": profile or os.environ.get("COURSE_PROFILE", "smoke"), "COURSE_INSTALL_SPEC": str(wheel), "PIP_DISABLE_PIP_VERSION_CHECK": "1",
             "COURSE_INSTALLED_RUN": "1", "MPLBACKEND": "Agg", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-            **warm_caches(),
+            **warm_caches(), **({"COURSE_INSTALLED_OUTPUT": str(work / "output.txt")} if keep_output else {}),
+            **({"COURSE_CUDA_ROUNDING": "1"} if cuda_rounding else {}),
             # notebooks run side by side: each kernel's default thread count (a cell that times threads sets its own)
             **({"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)} if threads else {})}
 
 
 def run_one(source: Path, base: Path, wheel: Path, dependencies: Path, isolation: str, threads: int | None = None,
-            profile: str | None = None) -> dict:
-    """Copy the notebook at ``source`` alone into an empty folder and run it as installed; return the result."""
+            profile: str | None = None, keep_output: bool = False, cuda_rounding: bool = False) -> dict:
+    """Copy the notebook at ``source`` alone into an empty folder and run it as installed; return the result
+    (``keep_output``: with the text its cells printed, under "output")."""
     notebook = source.name
     work = base / source.stem
     folder = work / "course"
     folder.mkdir(parents=True)
     python, site = fresh_environment(work, dependencies, isolation)
-    env = kernel_env(work, python, wheel, threads, profile)
+    env = kernel_env(work, python, wheel, threads, profile, keep_output, cuda_rounding)
     shutil.copy2(source, folder / notebook)
     seen = subprocess.run(
         [str(python), "-c", "import importlib.util as u, json; print(json.dumps({n: u.find_spec(n) is not None "
@@ -410,6 +457,9 @@ def run_one(source: Path, base: Path, wheel: Path, dependencies: Path, isolation
                                                                               "error": runner_log}
     result.update(wall_s=round(time.perf_counter() - start, 1), visible_before_install=before, runner_log=runner_log,
                   home=env["HOME"], site=str(site), folder_files=sorted(p.name for p in folder.iterdir()))
+    if keep_output:
+        output = work / "output.txt"
+        result["output"] = output.read_text(encoding="utf-8", errors="replace") if output.is_file() else ""
     return result
 
 

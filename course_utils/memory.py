@@ -3,15 +3,23 @@
 The peak is the model's and optimizer's state plus what ``fn`` allocated above the memory live when it started.
 Tensors are tracked with PyTorch's private ``MemTracker`` (CPU, CUDA, fake tensors; tests pin its behaviour);
 on CUDA the peak comes from the caching allocator's counters, plus the reserved peak and the CUDA context.
+
+On CUDA the tracker counts every storage rounded up to the allocator's 512-byte blocks (a 4-byte loss is 512 bytes).
+:func:`cuda_rounding` (or ``COURSE_CUDA_ROUNDING=1``) makes it count so on any device, so that a CPU run shows what a
+GPU's counting does to an exact-byte claim; :func:`block_bytes` counts tensors the way the tracker does.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+import math
+import os
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 from torch._guards import detect_fake_mode
+from torch.distributed._tools import mem_tracker as _mem_tracker
 from torch.distributed._tools.mem_tracker import MemTracker  # private API: tests pin what is used of it
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
@@ -23,6 +31,35 @@ from .units import GIB, MIB  # noqa: F401 - re-exported: notebooks import them f
 CATEGORIES = ("params", "grads", "optimizer", "activations", "other")
 _TRACKER_TO_CATEGORY = {"Parameter": "params", "Gradient": "grads", "Optstate": "optimizer", "Activation": "activations",
                         "Temp": "other", "Buffer": "other", "Other": "other"}
+
+
+CUDA_BLOCK_BYTES = 512  # the caching allocator's smallest block (kMinBlockSize): every storage is a multiple
+_ROUNDING = {"on": os.environ.get("COURSE_CUDA_ROUNDING", "").strip() == "1"}
+
+
+def rounding_to_blocks(device) -> bool:
+    """Whether storages on ``device`` count in 512-byte blocks: on CUDA always, elsewhere in :func:`cuda_rounding`."""
+    return torch.device(device).type == "cuda" or _ROUNDING["on"]
+
+
+@contextlib.contextmanager
+def cuda_rounding(on: bool = True):
+    """Inside ``with cuda_rounding():`` the tracker (and :func:`block_bytes`) count every storage rounded up to 512
+    bytes on any device, as CUDA's caching allocator and the tracker on a GPU do."""
+    before = _ROUNDING["on"]
+    _ROUNDING["on"] = bool(on)
+    try:
+        yield
+    finally:
+        _ROUNDING["on"] = before
+
+
+def _consumed(self) -> int:  # MemTracker's storage size, rounded as CUDA's allocator rounds where it applies
+    mem = self.size * self.element_size
+    return math.ceil(mem / CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES if rounding_to_blocks(self.device) else mem
+
+
+_mem_tracker._WeakRefInfo._calculate_mem_consumed = _consumed  # private API: tests/test_memory.py pins it
 
 
 def format_bytes(n: float) -> str:
@@ -39,14 +76,14 @@ def storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
-def tensor_bytes(*tensors: torch.Tensor) -> int:
-    """Bytes held by the given tensors' storages, each storage counted once; a subclass that wraps
-    tensors (torchao's 4-bit optimizer state: codes, scales, a map) holds theirs, not its shape's."""
-    seen, total, tensors = set(), 0, list(tensors)
+def _storages(tensors, caller: str):
+    """(bytes, device) of each distinct storage behind ``tensors``; a subclass that wraps tensors (torchao's 4-bit
+    optimizer state: codes, scales, a map) holds theirs, not its shape's."""
+    seen, tensors = set(), list(tensors)
     while tensors:
         t = tensors.pop()
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"tensor_bytes takes tensors, not {type(t).__name__}.")
+            raise TypeError(f"{caller} takes tensors, not {type(t).__name__}.")
         if is_traceable_wrapper_subclass(t):
             inner = (getattr(t, name) for name in t.__tensor_flatten__()[0])  # FSDP2's may name its device mesh
             tensors += [x for x in inner if isinstance(x, torch.Tensor)]
@@ -54,8 +91,20 @@ def tensor_bytes(*tensors: torch.Tensor) -> int:
         key = storage_key(t)
         if key not in seen:
             seen.add(key)
-            total += t.untyped_storage().nbytes()
-    return total
+            yield t.untyped_storage().nbytes(), t.device
+
+
+def tensor_bytes(*tensors: torch.Tensor) -> int:
+    """Bytes held by the given tensors' storages, each storage counted once (numel x element size, exactly)."""
+    return sum(n for n, _ in _storages(tensors, "tensor_bytes"))
+
+
+def block_bytes(*tensors: torch.Tensor, as_cuda: bool = False) -> int:
+    """Bytes of the tensors' storages as the tracker counts them: each storage once, rounded up to 512-byte blocks
+    on CUDA (or in :func:`cuda_rounding`, or with ``as_cuda``: meta tensors priced as a GPU keeps them), exact
+    elsewhere. An exact-byte claim about what the tracker measured compares with this, like with like."""
+    return sum(math.ceil(n / CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES if as_cuda or rounding_to_blocks(device) else n
+               for n, device in _storages(tensors, "block_bytes"))
 
 
 def iter_tensors(obj):
@@ -94,13 +143,13 @@ def _on(device: torch.device, tensors) -> list[torch.Tensor]:
 
 def state_bytes(model: nn.Module | None = None, optimizer=None, device=None) -> int:
     """Bytes of parameters, buffers, gradients present and optimizer state on ``device`` (default: the parameters'),
-    each storage once: what measure_memory counts as the state. For CUDA parameters Adam keeps its ``step``
-    counters on the CPU: they are not on the GPU."""
+    each storage once, counted as the tracker and the allocator count (:func:`block_bytes`): what measure_memory counts
+    as the state. For CUDA parameters Adam keeps its ``step`` counters on the CPU: they are not on the GPU."""
     _check_state(model, optimizer)
     params = _params(model, optimizer)
     state = params + [p.grad for p in params if p.grad is not None] + list(model.buffers() if model is not None else ())
     state += _state_tensors(optimizer) if optimizer is not None else []
-    return tensor_bytes(*_on(torch.device(device or params[0].device), state)) if params else 0
+    return block_bytes(*_on(torch.device(device or params[0].device), state)) if params else 0
 
 
 # torch.cuda's functions that measure_memory reads; a counter source (CudaCounters, a fake one in tests) has them all
@@ -254,7 +303,7 @@ def measure_memory(fn, *, model: nn.Module | None = None, optimizer=None, counte
 
     # MemTracker tags all that optimizer.step() allocates as optimizer state, the step's temporaries included
     # (foreach Adam's whole-model scratch): keep as "optimizer" only the state the optimizer holds.
-    held = tensor_bytes(*_on(device, _state_tensors(optimizer))) if optimizer is not None else 0
+    held = block_bytes(*_on(device, _state_tensors(optimizer))) if optimizer is not None else 0  # as tracked
     notes = []
     if optimizer is not None and by_category["optimizer"] > held:
         extra = by_category["optimizer"] - held

@@ -53,6 +53,16 @@ def test_hidden_dependency_folder_keeps_the_course_out(prepared, tmp_path):
     assert not any(installed.is_course_entry(p.name) for p in dependencies.iterdir())
 
 
+def test_a_dependency_folder_can_leave_packages_out(tmp_path):
+    """tests/test_without_optional.py's environments: as if pip had never installed these (files and metadata)."""
+    (tmp_path / "deps").mkdir()
+    folder = installed.dependency_folder(tmp_path / "deps", without=["bitsandbytes", "lion_pytorch"])
+    names = {p.name for p in folder.iterdir()}
+    assert "bitsandbytes" not in names and "lion_pytorch" not in names, "their packages"
+    assert not any(n.startswith(("bitsandbytes-", "lion_pytorch-")) for n in names), "their metadata"
+    assert "torch" in names and "transformers" in names
+
+
 @pytest.mark.slow  # processes of their own (tens of seconds): make test runs it, make test-fast does not
 def test_the_harness_fails_a_failing_cell_and_catches_a_write_into_the_repository(tmp_path, prepared):
     """The checks below can fail: a cell that raises fails the run, a checked output that differs fails its cell,
@@ -237,3 +247,11 @@ def test_a_kernel_runs_in_the_profile_read_when_the_runs_started(tmp_path, monke
     env = installed.kernel_env(tmp_path / "a", Path(sys.executable), tmp_path / "course.whl", profile="smoke")
     assert env["COURSE_PROFILE"] == "smoke"
     assert installed.kernel_env(tmp_path / "b", Path(sys.executable), tmp_path / "course.whl")["COURSE_PROFILE"] == "full"
+
+
+def test_the_test_runs_count_storages_as_cuda_does(tmp_path):
+    """The notebooks' exact-byte claims run under CUDA's 512-byte counting in the test runs, not in a learner's."""
+    rounded = installed.kernel_env(tmp_path / "a", Path(sys.executable), tmp_path / "course.whl", cuda_rounding=True)
+    assert rounded["COURSE_CUDA_ROUNDING"] == "1" and notebook_runs.CUDA_ROUNDING
+    assert "COURSE_CUDA_ROUNDING" not in installed.kernel_env(tmp_path / "b", Path(sys.executable),
+                                                              tmp_path / "course.whl")

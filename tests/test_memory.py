@@ -2,6 +2,9 @@
 branch on a CPU (a fake counter source), the device measured, stale tensors, state on another device, bad input;
 notebook 01's live bytes over steps."""
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +15,7 @@ from torch import nn
 from course_utils import memory, models
 from course_utils.memory import (GIB, MIB, CudaCounters, MemoryReport, format_bytes, iter_tensors, measure_memory,
                                  optimizer_state_bytes, state_bytes, tensor_bytes)
+from counting import counted, counting  # noqa: F401 (a fixture)
 from notebook_lessons import exec_lesson_cells
 
 
@@ -29,15 +33,15 @@ def _train_step(model, opt, batch=32):
     opt.zero_grad()
 
 
-def test_known_tensors_give_exact_bytes():
+def test_known_tensors_give_exact_bytes(counting):
     def fn():
-        a = torch.empty(1000, dtype=torch.float32)  # 4000 bytes
-        b = torch.empty(500, dtype=torch.float16)  # 1000 bytes
+        a = torch.empty(1000, dtype=torch.float32)  # 4000 bytes (4096 in CUDA's blocks)
+        b = torch.empty(500, dtype=torch.float16)  # 1000 bytes (1024)
         del a, b
 
     report = measure_memory(fn)
-    assert report.peak_bytes == 5000
-    assert sum(report.by_category.values()) == 5000
+    assert report.peak_bytes == counted(4000, 1000) == (5000 if counting == "exact" else 5120)
+    assert sum(report.by_category.values()) == counted(4000, 1000)
 
 
 def test_peak_is_the_maximum_not_the_sum():
@@ -49,16 +53,18 @@ def test_peak_is_the_maximum_not_the_sum():
     assert measure_memory(fn).peak_bytes == 4096
 
 
-def test_mlp_with_adam_exact_categories():
+def test_mlp_with_adam_exact_categories(counting):
     model, opt = _mlp_and_adam()
     numel = sum(p.numel() for p in model.parameters())
-    n_tensors = len(list(model.parameters()))
+    sizes = [4 * p.numel() for p in model.parameters()]
     report = measure_memory(lambda: _train_step(model, opt), model=model, optimizer=opt)
-    assert report.by_category["params"] == numel * 4
-    assert report.by_category["grads"] == numel * 4
+    assert report.by_category["params"] == counted(*sizes) == memory.block_bytes(*model.parameters())
+    assert report.by_category["grads"] == counted(*sizes)
     # Adam: exp_avg + exp_avg_sq in fp32 = 2 * numel * 4, plus one 4-byte `step` counter per tensor
-    assert report.optimizer_state_bytes == 2 * numel * 4 + 4 * n_tensors
-    assert report.by_category["optimizer"] == 2 * numel * 4 + 4 * n_tensors
+    adam = counted(*sizes, *sizes, *[4] * len(sizes))
+    assert adam == (2 * numel * 4 + 4 * len(sizes) if counting == "exact" else adam)
+    assert report.optimizer_state_bytes == adam
+    assert report.by_category["optimizer"] == adam
     assert report.peak_bytes >= 4 * numel * 4
     assert report.device == "cpu"
 
@@ -86,10 +92,11 @@ def test_sgd_has_no_state_and_momentum_one_copy():
         assert report.optimizer_state_bytes == copies * numel * 4
 
 
-def test_fake_gpt2_xl_params_are_2_bytes_each():
+def test_fake_gpt2_xl_params_are_2_bytes_each(counting):
     with models.fake_mode():
         model = models.build_gpt2("gpt2-xl", dtype=torch.float16)
         numel = sum(p.numel() for p in model.parameters())
+        sizes = [p.numel() for p in model.parameters()]
         ids = torch.zeros(1, 4, dtype=torch.long)
 
         def forward_only():
@@ -99,7 +106,7 @@ def test_fake_gpt2_xl_params_are_2_bytes_each():
         report = measure_memory(forward_only, model=model)
     assert numel == models.GPT2_XL_PARAMS
     assert report.fake
-    assert report.by_category["params"] == 2 * numel
+    assert report.by_category["params"] == counted(*(2 * n for n in sizes))
     assert report.peak_bytes >= 2 * numel
 
 
@@ -308,7 +315,7 @@ def test_without_a_model_the_device_is_where_fn_allocates():
     assert report.card_bytes == 128 * MIB + 300 * MIB
 
 
-def test_without_a_model_a_gpu_is_read_only_when_fn_used_it(monkeypatch):
+def test_without_a_model_a_gpu_is_read_only_when_fn_used_it(monkeypatch, counting):
     # a pretend GPU: measure_memory opens its counters before fn, as it cannot know fn's device yet...
     opened = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -316,7 +323,7 @@ def test_without_a_model_a_gpu_is_read_only_when_fn_used_it(monkeypatch):
     report = measure_memory(lambda: torch.empty(1000))
     assert opened == [torch.device("cuda")]
     # ...and drops them when fn worked on the CPU: the CPU figures, no allocator fields
-    assert report.device == "cpu" and report.peak_bytes == 4000 and report.reserved_peak_bytes is None
+    assert report.device == "cpu" and report.peak_bytes == counted(4000) and report.reserved_peak_bytes is None
     with models.fake_mode():  # fake tensors never reach an allocator: the GPU is not opened
         assert measure_memory(lambda: torch.empty(1000)).fake
     model = nn.Linear(64, 10)  # nor for a CPU model
@@ -483,3 +490,62 @@ def test_live_bytes_gpu_branch_with_a_fake_counter_source(nb01):
     fake.allocate(5 * MIB)  # alive before: not the steps'
     assert nb01["live_bytes_over_steps"](lambda i: fake.allocate(MIB), 3, counters=fake) == [MIB, 2 * MIB, 3 * MIB]
     assert fake.calls.count("synchronize") == 4  # before the first step and after each
+
+
+# ---- CUDA's 512-byte blocks, on the CPU -----------------------------------------------------------------------------
+def test_cuda_rounding_counts_each_storage_in_512_byte_blocks():
+    def fn():
+        a = torch.empty(1000, dtype=torch.float32)  # 4000 bytes: 8 blocks on CUDA
+        b = torch.empty(500, dtype=torch.float16)  # 1000 bytes: 2 blocks
+        del a, b
+
+    with memory.cuda_rounding():
+        rounded = measure_memory(fn).peak_bytes
+        assert memory.block_bytes(torch.empty(1000), torch.empty(500, dtype=torch.float16)) == 4096 + 1024
+    assert rounded == 4096 + 1024
+    with memory.cuda_rounding(False):
+        assert measure_memory(fn).peak_bytes == 5000, "outside the mode a CPU counts exact bytes"
+        assert memory.block_bytes(torch.empty(1000)) == tensor_bytes(torch.empty(1000)) == 4000
+    assert memory.block_bytes(torch.empty(1000, device="meta"), as_cuda=True) == 4096
+
+
+def test_the_tracker_patch_is_torchs_cuda_rule_on_any_device():
+    # the private API the mode replaces: MemTracker's per-storage size, which rounds on CUDA by the same block
+    from torch.distributed._tools import mem_tracker
+
+    assert mem_tracker._WeakRefInfo._calculate_mem_consumed is memory._consumed
+    assert mem_tracker._PYTORCH_MIN_ALLOCATE == memory.CUDA_BLOCK_BYTES
+    before = memory.rounding_to_blocks("cpu")   # on when the tests run with COURSE_CUDA_ROUNDING=1
+    with memory.cuda_rounding(False):
+        assert memory.rounding_to_blocks("cuda") and not memory.rounding_to_blocks("cpu")
+        with memory.cuda_rounding():
+            assert memory.rounding_to_blocks("cpu")
+        assert not memory.rounding_to_blocks("cpu"), "the mode ends with its block"
+    assert memory.rounding_to_blocks("cpu") == before
+
+
+def test_like_with_like_holds_under_rounding():
+    # an exact-byte claim about what the tracker measured holds in both modes when it compares with block_bytes
+    model = models.mlp(n_layers=2, width=100, in_features=30, n_classes=10)   # sizes that are not whole blocks
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    for rounding in (False, True):
+        with memory.cuda_rounding(rounding):
+            report = measure_memory(lambda: _train_step_30(model, opt), model=model, optimizer=opt)
+            assert report.by_category["params"] == memory.block_bytes(*model.parameters())
+            assert report.by_category["grads"] == memory.block_bytes(*model.parameters())
+    with memory.cuda_rounding():
+        assert memory.block_bytes(*model.parameters()) > tensor_bytes(*model.parameters())
+    with memory.cuda_rounding(False):
+        assert memory.block_bytes(*model.parameters()) == tensor_bytes(*model.parameters())
+
+
+def _train_step_30(model, opt):
+    F.cross_entropy(model(torch.randn(8, 30)), torch.randint(0, 10, (8,))).backward()
+    opt.step()
+
+
+def test_the_environment_variable_turns_the_mode_on():
+    code = "from course_utils import memory; print(memory.rounding_to_blocks('cpu'))"
+    env = {**os.environ, "COURSE_CUDA_ROUNDING": "1"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "True", out.stderr[-1000:]

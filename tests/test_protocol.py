@@ -558,5 +558,6 @@ def test_gpt2_xl_planner_matches_the_capstones_fake_tensor_step(variant):
           f"fake tensors {report.peak_gib:.2f} GiB")
     assert abs(plan.tensor_peak_bytes - report.peak_bytes) <= TOLERANCE * report.peak_bytes, (plan.by_category,
                                                                                              report.by_category)
-    assert plan.by_category["params"] == report.by_category["params"]
+    # the planner counts the weights' bytes; the fake step rounds each of GPT-2-XL's 580 tensors up to 512-byte blocks
+    assert 0 <= report.by_category["params"] - plan.by_category["params"] < 580 * memory.CUDA_BLOCK_BYTES
     assert plan.by_category["optimizer"] == 0  # 8-bit Adam and the fp32 master weights live on the CPU

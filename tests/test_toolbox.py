@@ -14,8 +14,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from course_utils import checks, memory, models, planner
+from course_utils import bootstrap, checks, memory, models, planner
 from course_utils.checks import claim
+from counting import counting  # noqa: F401 (a fixture)
 from notebook_lessons import checker_rejects, exec_lesson_cells
 
 NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "08_current_toolbox.ipynb"
@@ -42,7 +43,7 @@ def lesson() -> dict:
     results = types.SimpleNamespace(record=lambda name, value, unit: RECORDED.__setitem__(name, value))
     return exec_lesson_cells(NOTEBOOK, LESSON, {
         "torch": torch, "nn": nn, "F": F, "checkpoint": checkpoint, "memory": memory, "checks": checks, "claim": claim,
-        "results": results, "bnb": bnb, "weakref": weakref, "DEVICE": torch.device("cpu"), "planner": planner,
+        "results": results, "bnb": bnb, "bootstrap": bootstrap, "weakref": weakref, "DEVICE": torch.device("cpu"), "planner": planner,
         "GIB": 2**30, "EIGHT_B": "llama-3.1-8b", "n_8b": planner.get_model("llama-3.1-8b").n_params})
 
 
@@ -80,13 +81,13 @@ def test_tensor_bytes_counts_what_a_torchao_4bit_state_holds():
     assert memory.tensor_bytes(opt.state[p]["exp_avg"]) < n * 4 / 7  # not the fp32 shape it shows
 
 
-def test_measure_memory_with_frozen_parameters():
+def test_measure_memory_with_frozen_parameters(counting):
     model = mlp(layers=2, width=64)
     model[0].requires_grad_(False)  # frozen, as LoRA's base weights
     x, y = torch.randn(8, 64), torch.randint(0, 3, (8,))
     report = memory.measure_memory(lambda: F.cross_entropy(model(x), y).backward(), model=model)  # used to raise
-    assert report.by_category["params"] == 4 * sum(p.numel() for p in model.parameters())  # frozen ones count too
-    assert 0 < report.by_category["grads"] <= 4 * sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert report.by_category["params"] == memory.block_bytes(*model.parameters())  # frozen ones count too
+    assert 0 < report.by_category["grads"] <= memory.block_bytes(*(p for p in model.parameters() if p.requires_grad))
     assert model[0].weight.grad is None and model[2].weight.grad is not None
 
 

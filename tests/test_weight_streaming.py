@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from counting import counted, counting  # noqa: F401 (a fixture)
 from notebook_lessons import checker_rejects, exec_lesson_cells
 
 NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "09_smaller_than_the_model.ipynb"
@@ -200,7 +201,7 @@ def test_checkpoints_wait_on_the_host(nb):
     assert moved == {"pack": TINY["n_layer"], "unpack": TINY["n_layer"]}
 
 
-def test_a_whole_step_measured_on_the_cpu_is_within_5_percent_of_its_fake_tensor_prediction(nb):
+def test_a_whole_step_measured_on_the_cpu_is_within_5_percent_of_its_fake_tensor_prediction(nb, counting):
     """The CPU twin of section 4's check: the notebook's trainer and loop, ACCUM micro-steps and then the step, measured
     by tracking tensors (the host's side kept out by the engine's on_host), against the same step under fake tensors."""
     from course_utils import memory
@@ -217,14 +218,14 @@ def test_a_whole_step_measured_on_the_cpu_is_within_5_percent_of_its_fake_tensor
         assert measured.by_category["params"] == predicted.by_category["params"]
         assert measured.by_category["optimizer"] == 0, "the optimizer's state lives on the host: not counted"
         assert all(p.grad is None for p in trainer.params), "after the step the device holds no gradient"
-        weights = sum(p.numel() * 4 for p in trainer.params)
+        weights = counted(*(p.numel() * 4 for p in trainer.params))
         if stream:   # every gradient left as backward made it
             assert measured.by_category["grads"] == 0 and measured.by_category["params"] < weights
         else:        # accumulation: every gradient is alive on the device while the last micro-step adds to it
             assert measured.by_category["grads"] == weights
 
 
-def test_the_host_side_is_what_on_host_hides_and_nothing_else(nb):
+def test_the_host_side_is_what_on_host_hides_and_nothing_else(nb, counting):
     """on_host hides the host's work from the tracker; a device tensor made outside it is counted in full."""
     from course_utils import memory
 
@@ -237,7 +238,7 @@ def test_the_host_side_is_what_on_host_hides_and_nothing_else(nb):
         return host, device
 
     report = memory.measure_memory(host_then_device)
-    assert report.peak_bytes == 250_000 * 4
+    assert report.peak_bytes == counted(250_000 * 4)
 
 
 def test_an_overflow_skips_the_step_and_halves_a_dynamic_loss_scale(nb):
@@ -283,3 +284,29 @@ def test_profile_full_falls_back_to_gpt2_small_when_host_ram_is_short(nb, monkey
     exec_lesson_cells(NOTEBOOK, {"host_ram": LESSON["host_ram"]}, namespace)
     assert namespace["SIZE"] == dict(name="gpt2", vocab_size=50257)
     assert "instead of gpt2-medium" in capsys.readouterr().out
+
+
+def test_a_dropped_streamed_trainer_lives_on_until_its_hooks_are_removed(nb):
+    """A tensor's post-accumulate-grad hooks are held by C++, out of the garbage collector's sight, and they refer back
+    to the trainer: `del trainer` and a collection free nothing, and the next trainer would land on top of this one
+    (on Colab's host, two fp32 masters). `remove_hooks()` lets it go. The notebook removes them before each drop."""
+    import gc
+    import json
+    import re
+    import weakref
+
+    def dropped(remove):
+        trainer = _trainer(nb, stream=True)
+        trainer.backward(nb["chunked_lm_loss"](trainer.model, _batches(1)[0], 8))
+        if remove:
+            trainer.remove_hooks()
+        alive = weakref.ref(trainer)
+        del trainer
+        gc.collect()
+        return alive() is not None
+
+    assert dropped(remove=False), "a hook no longer keeps the trainer: the notebook's remove_hooks() can go"
+    assert not dropped(remove=True)
+    cells = ["".join(c["source"]) for c in json.loads(NOTEBOOK.read_text())["cells"] if c["cell_type"] == "code"]
+    drops = [src for src in cells if re.search(r"^\s*del trainer\b", src, re.M)]   # a statement, not a comment
+    assert len(drops) == 2 and all("trainer.remove_hooks()" in src.split("del trainer", 1)[0] for src in drops)
