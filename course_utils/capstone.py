@@ -19,9 +19,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from . import paths
+from . import hardware, paths
 from .hardware import gpu_bytes_needed
 from .precision import recommend_precision
+from .units import GIB
 from .validation import callable_arg, positive_int, positive_number
 
 CORPUS_FILE = "course_corpus.txt"  # in course_utils/data_files/, made by scripts/build_corpus.py
@@ -53,8 +54,16 @@ def device_precision(compute_capability) -> Precision:
 
 
 # ---- the CPU optimizer: the 8-bit-state Adams that can step here -----------------------------
+COMPILER_BYTES = 1 * GIB   # g++ building a compiled optimizer step beside the kernel: 959 MiB measured on Binder
+
+
 def cpu_compiles() -> tuple[bool, str]:
-    """Whether ``torch.compile`` can build a CPU kernel here (it needs a C++ compiler): ``(works, why)``."""
+    """Whether ``torch.compile`` can build a CPU kernel here (it needs a C++ compiler, and about ``COMPILER_BYTES``
+    of RAM beside the kernel: a free Binder session's 2 GiB has not that much left): ``(works, why)``."""
+    free = hardware.available_ram_bytes()
+    if free < COMPILER_BYTES:
+        return False, (f"only {free / GIB:.2f} GiB of RAM is free here, and a C++ compiler building an optimizer step "
+                       f"takes about {COMPILER_BYTES / GIB:.0f} GiB beside this kernel: nothing is compiled")
     try:
         torch.compile(lambda x: x * 2 + 1, fullgraph=True, dynamic=False)(torch.ones(8))
     except Exception as err:  # no compiler, a broken toolchain: all mean "no compiled step here"
@@ -184,11 +193,11 @@ def predict_gpu_peak(config_or_name="gpt2-xl", *, variant: str = "recipe", micro
                      priced_as: str = "cuda", **overrides):
     """The device's :class:`~course_utils.memory.MemoryReport` for one whole optimizer step of the capstone's loop under
     ``FakeTensorMode``: ``accum_steps`` checkpointed micro-steps of GPT-2 in ``dtype`` (logits freed before backward),
-    then the step's device side (gradients freed); priced as CUDA keeps tensors (``attention`` 'fused' or 'math') or,
-    ``priced_as='cpu'``, as a CPU does. 'recipe': gradients stay until the step (all there from the second micro-step
+    then the step's device side (gradients freed); priced as CUDA keeps tensors (``attention`` 'fused' or 'math', every
+    storage rounded up to the allocator's 512-byte blocks) or, ``priced_as='cpu'``, as a CPU does. 'recipe': gradients stay until the step (all there from the second micro-step
     on); 'streamed': each leaves once produced. The host side is not counted. GPT-2-XL: seconds per micro-step."""
     from . import models
-    from .memory import measure_memory
+    from .memory import cuda_rounding, measure_memory
 
     for name, value, options in (("variant", variant, VARIANTS), ("priced_as", priced_as, ("cuda", "cpu"))):
         if value not in options:
@@ -217,8 +226,10 @@ def predict_gpu_peak(config_or_name="gpt2-xl", *, variant: str = "recipe", micro
             for p in model.parameters():  # the step: gradients leave for the host, the device frees them
                 p.grad = None
 
-        kernels = models.as_on_cuda() if priced_as == "cuda" else contextlib.nullcontext()
-        with warnings.catch_warnings(), kernels:  # MemTracker warns about the hooks' `grad = None`
+        on_cuda = priced_as == "cuda"
+        kernels = models.as_on_cuda() if on_cuda else contextlib.nullcontext()
+        blocks = cuda_rounding() if on_cuda else contextlib.nullcontext()
+        with warnings.catch_warnings(), kernels, blocks:  # MemTracker warns about the hooks' `grad = None`
             warnings.filterwarnings("ignore", message="Expected a tensor or a traceable wrapper-subclass")
             return measure_memory(optimizer_step, model=model)  # the fake model and its hooks go with this call
 

@@ -13,7 +13,9 @@ import torch
 from .units import GIB, KIB, MIB
 from .validation import byte_counts, positive_int, positive_number
 
-PROFILES = ("smoke", "full")
+# smoke: small sizes, minutes on a CPU; gpu-check: sizes between, every GPU code path within a short GPU check
+# (scripts/gpu_check.sh); full: the articles' sizes, on a GPU
+PROFILES = ("smoke", "gpu-check", "full")
 
 # What a CUDA card holds beyond PyTorch's tensors: the CUDA context (kernels, driver state), outside the caching
 # allocator, so max_memory_allocated() never sees it but nvidia-smi does (typically 0.3-0.5 GiB; cuda_context_bytes()
@@ -65,7 +67,9 @@ def gpu_bytes_needed(tensor_peak_bytes: int, compute_capability: tuple[int, int]
 def cublas_workspace_bytes(compute_capability: tuple[int, int] | None = None, handles: int = 2) -> int:
     """cuBLAS's workspaces in the caching allocator: one per handle (a thread running matmuls: the loop's, autograd's),
     ``:4096:8`` (32 MiB) on compute capability 9-12, else ``:4096:2:16:8`` (8 MiB + 128 KiB), or CUBLAS_WORKSPACE_CONFIG
-    (PyTorch 2.14's CublasHandlePool.cpp; cuBLASLt shares it). ``compute_capability`` None: this GPU's, else 9.0."""
+    (PyTorch's CublasHandlePool.cpp). cuBLASLt shares it in PyTorch's builds (TORCH_CUBLASLT_UNIFIED_WORKSPACE, on
+    unless set to 0); with it off, cuBLASLt keeps a workspace of its own per handle, CUBLASLT_WORKSPACE_SIZE KiB
+    (1024 by default), counted here too. ``compute_capability`` None: this GPU's, else 9.0."""
     from .precision import recommend_precision  # precision -> estimate -> memory import this module
     positive_int(handles, "handles", "threads that run matmuls on the GPU, e.g. 2", allow_zero=True)
     cc = compute_capability
@@ -74,7 +78,10 @@ def cublas_workspace_bytes(compute_capability: tuple[int, int] | None = None, ha
     recommend_precision(cc)  # it checks the input
     pattern, default = r":(\d+):(\d+)", ":4096:8" if 9 <= cc[0] <= 12 else ":4096:2:16:8"
     pairs = re.findall(pattern, os.environ.get("CUBLAS_WORKSPACE_CONFIG", "")) or re.findall(pattern, default)
-    return handles * sum(int(kib) * KIB * int(count) for kib, count in pairs)
+    separate_lt = os.environ.get("TORCH_CUBLASLT_UNIFIED_WORKSPACE", "").strip().lower() in ("0", "false", "off", "no")
+    lt_kib = os.environ.get("CUBLASLT_WORKSPACE_SIZE", "1024").strip()
+    lt = int(lt_kib) * KIB if separate_lt and lt_kib.isdigit() else 1024 * KIB if separate_lt else 0
+    return handles * (sum(int(kib) * KIB * int(count) for kib, count in pairs) + lt)
 
 
 def device_type() -> str:
@@ -115,12 +122,34 @@ def host_ram_bytes() -> int:
     return int(psutil.virtual_memory().total)
 
 
+CGROUP_FILES = (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),   # cgroup v2 (Binder, Docker)
+                 ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"))
+
+
+def available_ram_bytes(cgroup_files=CGROUP_FILES) -> int:
+    """RAM a new process could still take: psutil's available memory, or less where a container's memory limit
+    (a free Binder session's 2 GiB) leaves less. psutil sees the machine; the limit is in the cgroup's files."""
+    available = int(psutil.virtual_memory().available)
+    for limit_file, usage_file in cgroup_files:
+        try:
+            with open(limit_file) as limit, open(usage_file) as usage:
+                text = limit.read().strip()
+                if text != "max":
+                    available = min(available, max(0, int(text) - int(usage.read().strip())))
+        except (OSError, ValueError):
+            continue
+    return available
+
+
 def course_profile() -> str:
-    """'smoke' (small sizes, minutes on a CPU) or 'full' (the articles' sizes, on a GPU)."""
+    """'smoke' (small sizes, minutes on a CPU), 'gpu-check' (sizes between that take every GPU code path, for
+    scripts/gpu_check.sh) or 'full' (the articles' sizes, on a GPU); COURSE_PROFILE chooses, else full on a CUDA GPU
+    and smoke elsewhere."""
     value = os.environ.get("COURSE_PROFILE", "").strip().lower()
     if value and value not in PROFILES:
-        raise ValueError(f"COURSE_PROFILE={value!r} is not a profile; set it to one of {PROFILES} "
-                         "(or unset it to choose automatically: full on a CUDA GPU, smoke elsewhere).")
+        raise ValueError(f"COURSE_PROFILE={value!r} is not a profile; set it to one of {', '.join(PROFILES)} "
+                         "(or unset it to choose automatically: full on a CUDA GPU, smoke elsewhere; gpu-check is "
+                         "the short GPU check's sizes).")
     return value or ("full" if torch.cuda.is_available() else "smoke")
 
 
@@ -141,13 +170,35 @@ def cuda_context_bytes() -> int | None:
     return cuda_context_from_counters(int(free), int(total), int(torch.cuda.memory_reserved()))
 
 
+def load_training_kernels(device="cuda") -> None:
+    """Run once, on tiny tensors, the kinds of kernel a training step loads: matrix products in fp32, fp16 and bf16
+    (cuBLAS and cuBLASLt with their workspaces), fused attention, a loss and a fused AdamW step. CUDA loads kernels
+    lazily, each into the context on its first use, so a context measured before them grows during the run."""
+    dtypes = [torch.float32, torch.float16] + ([torch.bfloat16] if device_type() != "cuda" or supports_bf16() else [])
+    for dtype in dtypes:
+        x = torch.randn(2, 4, 64, 32, device=device, dtype=dtype, requires_grad=True)
+        out = torch.nn.functional.scaled_dot_product_attention(x, x, x, is_causal=True)
+        logits = out.flatten(0, 2) @ torch.randn(32, 50, device=device, dtype=dtype)
+        torch.nn.functional.cross_entropy(logits.float(), torch.zeros(len(logits), dtype=torch.long, device=device)
+                                          ).backward()
+        weight = torch.nn.Parameter(torch.randn(8, device=device))
+        weight.grad = torch.randn(8, device=device)
+        torch.optim.AdamW([weight], fused=True).step()
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def cap_gpu_memory(budget_gib: float) -> str:
     """Make a larger GPU behave like one with ``budget_gib`` GiB, so "fits in 12 GB" is proven: the allocator gets
-    the budget less the CUDA context. Returns a sentence saying what happened (nothing on CPU/MPS)."""
+    the budget less the CUDA context, measured once the kernels of a training step are loaded
+    (:func:`load_training_kernels`; a card's own run would load them too), so that the context a check reads after
+    the run is the one the cap left room for. Returns a sentence saying what happened (nothing on CPU/MPS)."""
     positive_number(budget_gib, "budget_gib", "the lesson's GPU budget in GiB, e.g. 12")
     if not torch.cuda.is_available():
         return (f"No CUDA GPU here: the {budget_gib:g} GiB cap does nothing on {device_type()}. "
                 "Memory is measured by tracking tensors instead.")
+    load_training_kernels("cuda")
+    torch.cuda.empty_cache()   # the warm-up's tensors are not the context
     total, measured, budget = int(torch.cuda.get_device_properties(0).total_memory), cuda_context_bytes(), int(budget_gib * GIB)
     context, how = (measured, "measured") if measured else (CUDA_CONTEXT_BYTES, "assumed")
     if budget >= total:
@@ -159,7 +210,7 @@ def cap_gpu_memory(budget_gib: float) -> str:
     torch.cuda.set_per_process_memory_fraction(fraction, 0)
     return (f"Capped {gpu_name()} ({total / GIB:.1f} GiB) to {budget_gib:g} GiB: {(budget - context) / GIB:.2f} GiB "
             f"for PyTorch's allocator ({fraction:.1%} of the card) and {context / GIB:.2f} GiB left for the CUDA "
-            f"context ({how}).")
+            f"context ({how}, a training step's kernels loaded).")
 
 
 @contextlib.contextmanager

@@ -19,7 +19,7 @@ import pytest
 import torch
 from tqdm.auto import tqdm
 
-from course_utils import capstone, checks, hardware, memory, models
+from course_utils import capstone, checks, estimate, hardware, memory, models
 from course_utils.checks import claim
 from notebook_lessons import checker_rejects, exec_lesson_cells
 
@@ -543,8 +543,14 @@ def test_predict_gpu_peak_tiny_fake_streamed_below_recipe():
     streamed_report = capstone.predict_gpu_peak("gpt2", variant="streamed", **kw)
     assert recipe_report.fake and streamed_report.fake
     n_params = 256 * h + 1024 * h + layers * (12 * h * h + 13 * h) + 2 * h
-    assert recipe_report.by_category["params"] == 2 * n_params  # fp16
-    assert streamed_report.by_category["params"] == 2 * n_params
+    with torch.device("meta"):
+        shapes = models.build_gpt2("gpt2", dtype=torch.float16, **{k: kw[k] for k in kw if k not in ("micro_batch",
+                                                                                                  "seq_len")})
+    assert estimate.count_params(shapes) == n_params
+    weights = memory.block_bytes(*shapes.parameters(), as_cuda=True)  # fp16, each tensor in CUDA's 512-byte blocks
+    assert 2 * n_params <= weights < 2 * n_params + len(list(shapes.parameters())) * memory.CUDA_BLOCK_BYTES
+    assert recipe_report.by_category["params"] == weights
+    assert streamed_report.by_category["params"] == weights
     assert recipe_report.by_category["grads"] > 0.9 * 2 * n_params  # nearly all gradients at once on the device
     assert streamed_report.by_category["grads"] < 0.25 * recipe_report.by_category["grads"]
     assert streamed_report.peak_bytes < 0.75 * recipe_report.peak_bytes
@@ -812,3 +818,23 @@ def test_micro_steps_after_the_second_change_no_byte_of_the_peak():
         return memory.measure_memory(optimizer_step, model=model.train()).peak_bytes
 
     assert measured_peak(4) == measured_peak(2) > measured_peak(1)
+
+
+def test_nothing_is_compiled_where_the_compiler_would_not_fit_beside_the_kernel(monkeypatch):
+    """A free Binder session has 2 GiB: the kernel holds about 1.1 GiB, g++ building a compiled step about 1 GiB more."""
+    monkeypatch.setattr(hardware, "available_ram_bytes", lambda: int(0.8 * capstone.GIB))
+    works, why = capstone.cpu_compiles()
+    assert not works and "0.80 GiB of RAM is free" in why and "nothing is compiled" in why
+    adams, _ = capstone.cpu_8bit_adams()
+    assert not any(name.startswith("torchao") for name in adams)
+
+
+def test_a_containers_memory_limit_is_what_is_available(tmp_path):
+    limit, usage = tmp_path / "memory.max", tmp_path / "memory.current"
+    limit.write_text("2147483648\n")
+    usage.write_text(str(1536 * 2**20) + "\n")
+    assert hardware.available_ram_bytes([(str(limit), str(usage))]) == 512 * 2**20   # 2 GiB less 1.5 GiB in use
+    limit.write_text("max\n")   # no limit: the machine's available memory
+    unlimited, machine = hardware.available_ram_bytes([(str(limit), str(usage))]), hardware.available_ram_bytes([])
+    assert abs(unlimited - machine) < 256 * 2**20   # the same reading, taken twice
+    assert hardware.available_ram_bytes([(str(tmp_path / "none"), str(usage))]) > 0

@@ -18,11 +18,13 @@ def test_profile_default_and_override(monkeypatch):
     assert hardware.course_profile() == "full"
     monkeypatch.setenv("COURSE_PROFILE", " Smoke ")
     assert hardware.course_profile() == "smoke"
+    monkeypatch.setenv("COURSE_PROFILE", "gpu-check")   # scripts/gpu_check.sh's sizes
+    assert hardware.course_profile() == "gpu-check"
 
 
 def test_unknown_profile_says_what_to_set(monkeypatch):
     monkeypatch.setenv("COURSE_PROFILE", "huge")
-    with pytest.raises(ValueError, match="smoke"):
+    with pytest.raises(ValueError, match="'huge' is not a profile; set it to one of smoke, gpu-check, full"):
         hardware.course_profile()
 
 
@@ -80,6 +82,9 @@ def test_cuda_context_from_counters_and_a_pretend_card(monkeypatch):
     assert hardware.cuda_context_bytes() == 300 * hardware.MIB
 
 
+KERNELS_LOADED = []  # the devices load_training_kernels was called for, under pretend_card
+
+
 @pytest.fixture
 def pretend_card(monkeypatch):
     """An 80 GiB CUDA card on a CPU: the calls to set_per_process_memory_fraction are recorded."""
@@ -93,19 +98,22 @@ def pretend_card(monkeypatch):
     monkeypatch.setattr(hardware.torch.cuda, "set_per_process_memory_fraction", lambda f, device: calls.append((f, device)))
     monkeypatch.setattr(hardware, "gpu_name", lambda: "Pretend GPU")
     monkeypatch.setattr(hardware, "cuda_context_bytes", lambda: 400 * hardware.MIB)
+    KERNELS_LOADED.clear()
+    monkeypatch.setattr(hardware, "load_training_kernels", KERNELS_LOADED.append)
     return calls
 
 
 def test_cap_gpu_memory_cuda_branch_with_a_pretend_card(pretend_card, monkeypatch):
     message = hardware.cap_gpu_memory(12)
     (fraction, device), = pretend_card
+    assert KERNELS_LOADED == ["cuda"], "the context is measured once a training step's kernels are loaded"
     assert fraction * 80 * hardware.GIB + 400 * hardware.MIB == pytest.approx(12 * hardware.GIB)  # allocator + context
     assert device == 0  # torch refuses torch.device("cuda") without an index
-    assert "0.39 GiB left for the CUDA context (measured)" in message and "11.61 GiB" in message
+    assert "0.39 GiB left for the CUDA context (measured, a training step's kernels loaded)" in message and "11.61 GiB" in message
     with pytest.raises(ValueError, match="leaves nothing for tensors"):
         hardware.cap_gpu_memory(0.25)
     monkeypatch.setattr(hardware, "cuda_context_bytes", lambda: None)
-    assert "0.50 GiB left for the CUDA context (assumed)" in hardware.cap_gpu_memory(12)
+    assert "0.50 GiB left for the CUDA context (assumed" in hardware.cap_gpu_memory(12)
     assert "no cap needed" in hardware.cap_gpu_memory(100) and len(pretend_card) == 2
 
 
@@ -126,9 +134,22 @@ def test_gpu_memory_cap_lifts_the_cap_even_when_the_block_raises(pretend_card):
                                             ((13, 0), 8_519_680)])
 def test_cublas_workspaces_per_compute_capability(monkeypatch, cc, per_handle):
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    monkeypatch.delenv("TORCH_CUBLASLT_UNIFIED_WORKSPACE", raising=False)
     assert hardware.cublas_workspace_bytes(cc, handles=1) == per_handle
     assert hardware.cublas_workspace_bytes(cc) == 2 * per_handle  # the loop's thread and autograd's backward thread
     assert hardware.cublas_workspace_bytes(cc, handles=0) == 0
+
+
+def test_cublaslt_keeps_a_workspace_of_its_own_only_when_told_not_to_share(monkeypatch):
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    monkeypatch.delenv("CUBLASLT_WORKSPACE_SIZE", raising=False)
+    monkeypatch.delenv("TORCH_CUBLASLT_UNIFIED_WORKSPACE", raising=False)
+    shared = hardware.cublas_workspace_bytes((9, 0), handles=1)
+    assert shared == 32 * hardware.MIB   # PyTorch's builds: cuBLASLt uses cuBLAS's workspace
+    monkeypatch.setenv("TORCH_CUBLASLT_UNIFIED_WORKSPACE", "0")
+    assert hardware.cublas_workspace_bytes((9, 0), handles=1) == shared + hardware.MIB   # its own 1 MiB by default
+    monkeypatch.setenv("CUBLASLT_WORKSPACE_SIZE", "4096")
+    assert hardware.cublas_workspace_bytes((9, 0)) == 2 * (shared + 4 * hardware.MIB)
 
 
 def test_cublas_workspaces_follow_the_environment_and_default_to_the_larger(monkeypatch):
@@ -213,3 +234,8 @@ def test_pcie_seconds_says_what_to_change():
         hardware.pcie_seconds(10**9, gb_per_s=0)
     with pytest.raises((ValueError, TypeError)):
         hardware.pcie_seconds(-1)
+
+
+def test_the_training_kernels_load_on_any_device():
+    """The warm-up the cap runs before it measures the CUDA context, on its CPU twin: every kind of kernel it names."""
+    hardware.load_training_kernels("cpu")
