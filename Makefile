@@ -7,7 +7,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install lab test test-fast check outputs clean
+.PHONY: install lab test test-fast test-bare check outputs clean
 
 $(STAMP): requirements.txt pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "Python 3.10+ is needed (3.11 recommended); set PYTHON=python3.11")'
@@ -38,6 +38,14 @@ test:
 # process stay whole).
 test-fast: install
 	$(PY) -m pytest tests -m "not slow and not after_notebooks" -q -n 4 --dist loadfile
+
+# The notebooks that use an optional package (bitsandbytes, torchao, peft, notebook 10's optimizers), run as installed
+# in an environment without any of them: each must still run top to bottom, skipping those parts with a line. Not
+# part of `make test` (minutes more); its wall time is printed at the end.
+test-bare: install
+	@start=$$(date +%s); status=0; \
+	$(PY) -m pytest tests/test_without_optional.py -m bare -q || status=$$?; \
+	echo "make test-bare: $$(( $$(date +%s) - start )) s wall"; exit $$status
 
 check: install
 	$(PY) -m course_tools.preflight --record

@@ -29,11 +29,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
-def _profile_is_full() -> bool:
+def _sizes_differ_from_saved() -> bool:
+    """True in a profile other than smoke (gpu-check, full): the saved outputs come from a smoke run."""
     try:
         from course_utils.hardware import course_profile
 
-        return course_profile() == "full"
+        return course_profile() != "smoke"
     except Exception:  # a bad COURSE_PROFILE fails in the notebook itself, with its message
         return False
 
@@ -61,7 +62,7 @@ def _patch_nbval() -> None:
 
         IPyNbFile.__init__ = init_without_stderr
         IPyNbFile._course_patched = True
-    if _profile_is_full() and not getattr(IPyNbCell, "_course_full_profile", False):
+    if _sizes_differ_from_saved() and not getattr(IPyNbCell, "_course_full_profile", False):
         IPyNbCell.compare_outputs = lambda self, test, ref, skip_compare=None: True
         IPyNbCell._course_full_profile = True
 
@@ -307,6 +308,8 @@ def pytest_configure(config):
 
     config.addinivalue_line("markers", "after_notebooks: runs after every notebook of the session (it reads what "
                                        "they recorded)")
+    config.addinivalue_line("markers", "bare: runs notebooks without the optional packages (minutes); selected only "
+                                       "by -m bare (make test-bare)")
     try:
         config._course_notebooks = notebook_runs.mode()
         notebook_runs.workers()
@@ -394,7 +397,13 @@ def pytest_unconfigure(config):
 
 def pytest_collection_modifyitems(session, config, items):
     """Append a peak-RSS check after the last cell of every notebook that runs; tests marked ``after_notebooks``
-    (they compare the figures several notebooks recorded) go last."""
+    (they compare the figures several notebooks recorded) go last. Tests marked ``bare`` (the notebooks again,
+    without the optional packages: minutes) run only when ``-m`` names them (``make test-bare``)."""
+    if "bare" not in (config.option.markexpr or ""):
+        bare = [item for item in items if item.get_closest_marker("bare") is not None]
+        if bare:
+            config.hook.pytest_deselected(items=bare)
+            items[:] = [item for item in items if item.get_closest_marker("bare") is None]
     items.sort(key=lambda item: item.get_closest_marker("after_notebooks") is not None)  # stable: order kept
     try:
         from nbval.plugin import IPyNbFile

@@ -27,7 +27,9 @@ MIN_PYTHON = (3, 10)
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # What a learner needs to open and run the notebooks (the rest of requirements.txt is for tests).
 LEARNER_PACKAGES = ("torch", "numpy", "pandas", "matplotlib", "seaborn", "tqdm", "ipywidgets", "jupyterlab",
-                    "ipykernel", "transformers", "timm", "bitsandbytes", "mlxtend", "scikit-learn", "psutil")
+                    "ipykernel", "transformers", "timm", "mlxtend", "scikit-learn", "psutil")
+# The course runs without these (README, "Optional packages"): a missing one is reported, not a failure.
+OPTIONAL_PACKAGES = ("bitsandbytes", "torchao", "peft", "lion-pytorch", "adam-mini", "galore-torch", "apollo-torch")
 INSTALL_FIX = "from the course folder run `make install` (or `pip install -r requirements.txt -e .`)"
 
 
@@ -84,8 +86,15 @@ def check_python(version_info=None) -> Item:
 
 
 def check_packages(packages=LEARNER_PACKAGES, ranges: dict[str, str] | None = None,
-                   version_of: Callable[[str], str] = importlib.metadata.version) -> Item:
+                   version_of: Callable[[str], str] = importlib.metadata.version, optional=OPTIONAL_PACKAGES) -> Item:
     ranges = requirements() if ranges is None else ranges
+    absent = []
+    for name in optional:
+        try:
+            version_of(name)
+        except importlib.metadata.PackageNotFoundError:
+            absent.append(name)
+    without = f"; not installed (optional: the notebooks skip what needs them): {', '.join(absent)}" if absent else ""
     missing, outside, found = [], [], []
     for name in packages:
         try:
@@ -104,7 +113,7 @@ def check_packages(packages=LEARNER_PACKAGES, ranges: dict[str, str] | None = No
     if outside:
         return Item("packages", False, f"outside the tested range: {'; '.join(outside)}",
                     "reinstall the tested versions: `pip install -r requirements.txt`")
-    return Item("packages", True, f"{len(found)} installed in the tested ranges")
+    return Item("packages", True, f"{len(found)} installed in the tested ranges{without}")
 
 
 def check_course_folder() -> Item:

@@ -1,5 +1,5 @@
-"""8-bit optimizer state (notebook 05): error metrics, state tables, bitsandbytes round trips, GPT-2 tensor
-sizes. The quantizers and the exercise's checker are written in the notebook."""
+"""8-bit optimizer state (notebook 05): error metrics, state tables, bitsandbytes' dynamic map and round trips,
+GPT-2 tensor sizes. The quantizers and the exercise's checker are written in the notebook."""
 from __future__ import annotations
 
 import torch
@@ -48,6 +48,23 @@ def state_table(optimizer, model: nn.Module | None = None):
     df["bytes"] = df[keys].sum(axis=1)
     df["bytes/param"] = df["bytes"] / df["numel"]
     return df
+
+
+def create_dynamic_map(signed: bool = True) -> torch.Tensor:
+    """The 256 sorted values of bitsandbytes' dynamic 8-bit map, value for value what
+    ``bitsandbytes.functional.create_dynamic_map(signed)`` returns (for notebook 05 where bitsandbytes is not
+    installed): for each of 7 exponents i, the midpoints of an even split of [0.1, 1] times 10**(i - 6), 2**i of them
+    (signed: also their negatives) or 2**(i + 1) (unsigned); then 0 and 1, and zeros up to 256 values (Dettmers 2015,
+    "8-Bit Approximations for Parallelism in Deep Learning")."""
+    if not isinstance(signed, bool):
+        raise TypeError(f"signed must be True (a map for m) or False (for v >= 0), not {signed!r}.")
+    data = []
+    for i in range(7):
+        boundaries = torch.linspace(0.1, 1, 2 ** (i + (0 if signed else 1)) + 1, dtype=torch.float32)
+        means = (boundaries[:-1] + boundaries[1:]) / 2.0
+        data += (10 ** (i - 6) * means).tolist() + ((-(10 ** (i - 6)) * means).tolist() if signed else [])
+    data += [0, 1.0]
+    return torch.tensor(sorted(data + [0] * (256 - len(data))), dtype=torch.float32)
 
 
 def bnb_roundtrip(x: torch.Tensor, *, blocksize: int = BNB_BLOCKSIZE, code: torch.Tensor | None = None) -> torch.Tensor:

@@ -7,6 +7,7 @@ import stat
 import pytest
 
 from course_tools import preflight
+from course_utils import bootstrap
 
 
 def test_python_version():
@@ -23,6 +24,19 @@ def test_missing_package_gets_the_install_fix():
 
     item = preflight.check_packages(("torch", "timm"), ranges={}, version_of=version_of)
     assert not item.ok and "timm" in item.detail and "make install" in item.fix
+
+
+def test_a_missing_optional_package_is_reported_not_failed():
+    def version_of(name):
+        if name in ("bitsandbytes", "torchao"):
+            raise importlib.metadata.PackageNotFoundError(name)
+        return "2.0"
+
+    item = preflight.check_packages(("torch",), ranges={}, version_of=version_of)
+    assert item.ok and item.detail.endswith("not installed (optional: the notebooks skip what needs them): "
+                                            "bitsandbytes, torchao"), item.detail
+    assert set(preflight.OPTIONAL_PACKAGES) == {bootstrap.pip_name(n) for n in bootstrap.OPTIONAL_PACKAGES}
+    assert not set(preflight.OPTIONAL_PACKAGES) & set(preflight.LEARNER_PACKAGES)
 
 
 def test_version_outside_the_tested_range():

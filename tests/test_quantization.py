@@ -254,3 +254,16 @@ def test_check_block_quantizer_bad_inputs(check_block_quantizer):
 
     with pytest.raises(NotImplementedError):
         check_block_quantizer(todo, _dequantize, block, code)
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_the_course_dynamic_map_is_bitsandbytes(signed):
+    """Notebook 05 uses this copy where bitsandbytes is not installed: the same 256 values."""
+    BF = pytest.importorskip("bitsandbytes.functional")
+    ours = Q.create_dynamic_map(signed)
+    assert ours.dtype == torch.float32 and ours.numel() == 256 and torch.equal(ours, BF.create_dynamic_map(signed))
+
+
+def test_dynamic_map_bad_input():
+    with pytest.raises(TypeError, match="signed must be True"):
+        Q.create_dynamic_map("yes")
