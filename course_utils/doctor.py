@@ -2,8 +2,10 @@
 
 ``doctor()`` lists the live tensors of a device grouped by what keeps them alive: a global name, IPython's output
 history (``Out[n]``, ``_``), the last error's traceback, an autograd graph reachable from a kept tensor, a reference
-cycle, or something else. Bytes are storage bytes, each storage once (views share theirs). It keeps only numbers and
-strings: its report holds no tensor alive. ``LiveBytes`` is the course's tracker left running across cells, with an
+cycle, or something else. Bytes are storage bytes, each storage once (views share theirs), counted as the course's
+tracker counts them (:func:`memory.block_bytes`: in 512-byte blocks on CUDA, as its allocator gives them out), so
+that a line's drop in the tracker is what the doctor said. It keeps only numbers and strings: its report holds no
+tensor alive. ``LiveBytes`` is the course's tracker left running across cells, with an
 optional budget past which an allocation raises ``torch.OutOfMemoryError`` (a small GPU, emulated on any device).
 """
 from __future__ import annotations
@@ -18,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-from .memory import _MultiStepMemTracker, format_bytes
+from .memory import _MultiStepMemTracker, block_bytes, format_bytes
 from .validation import byte_counts, positive_int
 
 # kinds of tensor, most telling first: a storage reached in several ways takes the first kind in this order
@@ -26,8 +28,6 @@ KINDS = ("parameter", "buffer", "gradient", "optimizer state", "tensor", "autogr
 _INFRA = ("IPython", "ipykernel", "traitlets", "zmq", "tornado", "asyncio", "jupyter_client", "_pytest", "pytest",
           "pluggy", "logging", "threading", "concurrent", "nbval", "comm", "matplotlib")  # objects never walked into
 _IPYTHON_NAMES = {"In", "Out", "_", "__", "___", "_ih", "_oh", "_dh", "exit", "quit", "get_ipython"}
-_TRACEBACK_FIX = "sys.last_type = sys.last_value = sys.last_traceback = None" + (
-    "; sys.last_exc = None" if sys.version_info >= (3, 12) else "")
 _CYCLE_LIMIT, _CYCLE_LEVELS = 5000, 40  # how far the referrers of unreached tensors are searched
 
 
@@ -113,7 +113,7 @@ class _Walk:
             return
         if t.device.type == self.device.type and self.device.index in (None, t.device.index):
             storage = t.untyped_storage()
-            nbytes, kinds, direct = self.found.get(storage._cdata, (storage.nbytes(), set(), False))
+            nbytes, kinds, direct = self.found.get(storage._cdata, (block_bytes(t), set(), False))
             self.found[storage._cdata] = (nbytes, kinds | {kind}, direct or not via_graph)
 
     def run(self, root, via_graph: bool = False) -> None:
@@ -238,6 +238,18 @@ def _graph_fix(name: str, value) -> str:
     return f"del {name}"
 
 
+def traceback_fix(in_ipython: bool = True) -> str:
+    """The line that lets the last error go on this Python: every ``sys.last_*`` that can hold it (from Python 3.12
+    the interpreter and IPython also keep it in ``sys.last_exc``; on an older one too if something set it), IPython's
+    copy for ``%debug`` (``in_ipython``), then a collection: the frame that caught the error refers to it, a cycle
+    once the names let go."""
+    names = ["last_type", "last_value", "last_traceback"]
+    if sys.version_info >= (3, 12) or getattr(sys, "last_exc", None) is not None:
+        names.append("last_exc")
+    return ("import gc, sys; " + " = ".join(f"sys.{n}" for n in names) + " = None; "
+            + ("get_ipython().InteractiveTB.tb = None; " if in_ipython else "") + "gc.collect()")
+
+
 def doctor(namespace: dict | None = None, device=None, *, counters=None) -> DoctorReport:
     """What holds the live tensors of ``device`` (default: this machine's) in ``namespace`` (default: the notebook's
     names, IPython's or ``__main__``'s). ``counters``: the CUDA numbers (a dict of :func:`cuda_summary`'s keyword
@@ -268,9 +280,7 @@ def doctor(namespace: dict | None = None, device=None, *, counters=None) -> Doct
     last = [getattr(sys, n, None) for n in ("last_traceback", "last_value", "last_exc")]
     last += [getattr(shell.InteractiveTB, "tb", None)] if in_ipython else []
     roots += [(("traceback",), "the last error's traceback (sys.last_traceback)", v) for v in last if v is not None]
-    # the frame that caught the error refers to it: a cycle once the names let go, so the line collects it
-    fixes[("traceback",)] = (_TRACEBACK_FIX + ("; get_ipython().InteractiveTB.tb = None" if in_ipython else "")
-                             + "; import gc; gc.collect();",) * 2
+    fixes[("traceback",)] = (traceback_fix(in_ipython),) * 2
     value = history = hidden = last = None
 
     storages: dict[int, list] = {}  # storage -> [bytes, kinds, holder keys {(key, direct?)}]
@@ -336,7 +346,7 @@ def doctor(namespace: dict | None = None, device=None, *, counters=None) -> Doct
                             free=free, total=total, segments=torch.cuda.memory_snapshot())
         report.cuda = cuda_summary(**counters)
         report.notes.append(f"allocated minus the tensors found: {format_bytes(counters['allocated'] - report.total_bytes)}"
-                            " (512-byte rounding, cuBLAS workspaces, tensors only C++ holds)")
+                            " (cuBLAS workspaces, tensors only C++ holds)")
     return report
 
 

@@ -1,5 +1,6 @@
 """The memory doctor names what holds each live tensor, its bytes add up to the course tracker's live bytes, and the
 line it prints frees what it said, to the byte. Cells run in a real IPython shell (Out[n], _, the last traceback)."""
+import contextlib
 import functools
 import gc
 import os
@@ -10,6 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from counting import counted
+from stand_ins import StandIn
 
 from course_utils.doctor import DoctorReport, LiveBytes, cuda_summary, doctor, load_ipython_extension
 
@@ -88,9 +91,9 @@ def test_a_view_and_its_base_count_once(shell):
     report = doctor(sh.user_ns, "cpu")
     row = report.row("`big`")
     assert row.holder == "`big` and `other` and `view`" and row.tensors == 1
-    assert row.bytes == 40_000 == live.bytes  # miscounting the views would say 40,400 or 80,400
+    assert row.bytes == counted(40_000) == live.bytes  # miscounting the views would say 40,400 or 80,400
     run(sh, "del big, other")
-    assert doctor(sh.user_ns, "cpu").row("`view`").bytes == 40_000  # a view keeps its whole storage alive
+    assert doctor(sh.user_ns, "cpu").row("`view`").bytes == counted(40_000)  # a view keeps its whole storage
 
 
 def test_the_sum_check_fails_when_views_are_counted_twice(shell):
@@ -127,7 +130,7 @@ def test_after_an_out_of_memory_error_under_a_budget(shell):
         run(sh, "report = None")  # the learner's next cell (IPython's last result now lets the error go)
         report = doctor(sh.user_ns, "cpu")
         row = report.row("the last error's traceback")
-        params = sum(p.untyped_storage().nbytes() for p in sh.user_ns["layers"].parameters())
+        params = counted(*(p.untyped_storage().nbytes() for p in sh.user_ns["layers"].parameters()))
         assert row.bytes >= 2000 * 256 * 4  # at least the batch, kept by the frame of step()
         before = budget.bytes
         run(sh, row.fix)
@@ -144,6 +147,26 @@ def test_the_magic_prints_the_report(shell, capsys):
     sh.run_line_magic("memory_doctor", "cpu")
     out = capsys.readouterr().out
     assert "The memory doctor, cpu" in out and "`kept`" in out and "del kept" in out
+
+
+def test_it_counts_as_the_tracker_does_on_cuda(shell):
+    """CUDA's allocator gives out 512-byte blocks and the tracker counts so there (memory.cuda_rounding shows it on any
+    device): the doctor counts the same, so its rows add up to the tracker's bytes and a line frees what it said, to
+    the byte (a 4-byte loss is 512 bytes there)."""
+    from course_utils.memory import cuda_rounding
+
+    sh, live = shell
+    with cuda_rounding():
+        before = _baseline(sh)
+        run(sh, "x = torch.ones(1000)\nlosses = [torch.ones(3, requires_grad=True).exp().sum() for _ in range(4)]")
+        report = doctor(sh.user_ns, "cpu")
+        assert report.row("`x`").bytes == 4096 and report.row("`losses`", "tensor").bytes == 4 * 512, report
+        assert report.total_bytes - before == live.bytes
+        for holder, kind in [("`losses`", "autograd graph"), ("`losses`", "tensor"), ("`x`", "tensor")]:
+            row, dropped = doctor(sh.user_ns, "cpu").row(holder, kind), live.bytes
+            run(sh, row.fix)
+            assert dropped - live.bytes == row.frees_bytes, row
+        assert live.bytes == 0
 
 
 def test_cuda_numbers_from_fake_counters():
@@ -183,36 +206,194 @@ def test_a_graph_no_backward_runs_through_is_freed_with_its_loss():
         live.stop()
 
 
-def _notebook_cell_defs(*names):
-    """The functions (and constants) of notebook 01c's cells that define ``names``: only defs and assignments run."""
-    import ast
+# ---------------------------------------------------------------------------------------------------------------------
+# Each Python the course supports. From 3.12 the interpreter and IPython also keep the last error in sys.last_exc, so
+# 3.11's line (sys.last_type, sys.last_value, sys.last_traceback) leaves it alive there. This interpreter is one
+# version; the others are stood in for: the doctor and IPython read a `sys` whose version_info is the other one's,
+# and what IPython keeps it sets on the real sys, as that Python's IPython would.
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOK = ROOT / "notebooks" / "01c_memory_doctor.ipynb"
+NEWEST = (3, 14)  # the newest Python released; the oldest is pyproject's requires-python
+LINE_311 = ("sys.last_type = sys.last_value = sys.last_traceback = None; get_ipython().InteractiveTB.tb = None; "
+            "import gc; gc.collect();")  # the line 01c typed, right on 3.10 and 3.11 only
+
+
+def supported_pythons() -> list[tuple[int, int]]:
+    """Every minor version from pyproject's requires-python (and the README's "Python 3.N+") to the newest."""
+    import re
+
+    oldest = re.search(r'requires-python\s*=\s*">=\s*3\.(\d+)', (ROOT / "pyproject.toml").read_text())
+    readme = re.search(r"Needs Python 3\.(\d+)\+", (ROOT / "README.md").read_text())
+    assert oldest and readme and oldest[1] == readme[1], "pyproject's requires-python and the README's minimum differ"
+    return [(3, minor) for minor in range(int(oldest[1]), max(NEWEST, sys.version_info[:2])[1] + 1)]
+
+
+class _PythonOf(StandIn):
+    """``sys`` as another Python shows it to a module: its version_info; what the module sets lands on the real sys."""
+
+    def __init__(self, version):
+        super().__init__(sys, version_info=(*version, 0, "final", 0))
+
+    def __setattr__(self, name, value):
+        setattr(self.__dict__["_real"], name, value)
+
+
+@contextlib.contextmanager
+def python(version, monkeypatch):
+    """The doctor and IPython as on Python ``version``; afterwards no sys.last_exc this interpreter would not have."""
+    import importlib
+
+    from IPython.core import interactiveshell
+
+    doctor_module = importlib.import_module("course_utils.doctor")  # the module: the package exports the function
+    had = hasattr(sys, "last_exc")
+    stand_in = _PythonOf(version)
+    monkeypatch.setattr(interactiveshell, "sys", stand_in)
+    monkeypatch.setattr(doctor_module, "sys", stand_in)
+    try:
+        yield
+    finally:
+        monkeypatch.setattr(interactiveshell, "sys", sys)
+        monkeypatch.setattr(doctor_module, "sys", sys)
+        if not had and hasattr(sys, "last_exc"):
+            del sys.last_exc
+
+
+def _last_error_kept() -> list[str]:
+    return [name for name in ("last_type", "last_value", "last_traceback", "last_exc") if getattr(sys, name, None)]
+
+
+def test_the_traceback_line_frees_the_last_error_on_every_supported_python(shell, monkeypatch):
+    sh, live = shell
+    versions = supported_pythons()
+    assert versions[0] <= (3, 11) and (3, 12) in versions, versions  # both sides of the change are covered
+    for version in versions:
+        with python(version, monkeypatch):
+            run(sh, "def fail():\n    h = torch.ones(2000, 10)\n    raise RuntimeError('boom')\nfail()")
+            run(sh, "pass")  # the learner's next cell
+            kept = _last_error_kept()
+            assert ("last_exc" in kept) == (version >= (3, 12)), (version, kept)  # what that Python's IPython keeps
+            row = doctor(sh.user_ns, "cpu").row("the last error's traceback")
+            assert ("sys.last_exc = None" in row.fix) == (version >= (3, 12)), (version, row.fix)
+            assert row.bytes == row.frees_bytes == counted(80_000), (version, row)
+            if version >= (3, 12):  # 3.11's line there: sys.last_exc still holds the error, and its frame the tensor
+                before = live.bytes
+                run(sh, LINE_311)
+                assert live.bytes == before and _last_error_kept() == ["last_exc"], version
+                assert doctor(sh.user_ns, "cpu").row("the last error's traceback").bytes == counted(80_000)
+            before = live.bytes
+            run(sh, row.fix)
+            assert before - live.bytes == row.frees_bytes and _last_error_kept() == [], (version, row.fix)
+            assert live.bytes == 0
+
+
+def test_the_traceback_line_names_sys_last_exc_when_something_set_it(monkeypatch):
+    """On 3.10 or 3.11 nothing sets sys.last_exc; if something does (a backport, a tool), the doctor walks it as a
+    root, so its line clears it too. Outside IPython the line has no IPython copy to clear."""
+    import importlib
+
+    doctor_module = importlib.import_module("course_utils.doctor")
+    for version, last_exc, named in [((3, 11), None, False), ((3, 11), RuntimeError("kept"), True),
+                                     ((3, 12), None, True)]:
+        monkeypatch.setattr(doctor_module, "sys", StandIn(sys, version_info=(*version, 0, "final", 0),
+                                                          last_exc=last_exc))
+        assert ("sys.last_exc = None" in doctor_module.traceback_fix()) == named, (version, last_exc)
+    assert "InteractiveTB" not in doctor_module.traceback_fix(in_ipython=False)
+
+
+def _lesson(namespace, **picks):
+    """exec 01c's cells that ``picks`` name (only their imports and functions) into ``namespace``."""
+    from notebook_lessons import exec_lesson_cells
+
+    return exec_lesson_cells(NOTEBOOK, picks, namespace, defs_only=True)
+
+
+def test_01c_frees_the_last_error_with_the_doctors_lines_on_python_3_12(shell, monkeypatch):
+    """01c's cells on 3.12's behaviour: section 2 finds the batch in a frame of the last traceback; the doctor's
+    lines, run as 01c runs them (run_doctors_lines), free it to the byte where the line 01c used to type would not."""
+    sh, live = shell
+    run(sh, "import types\nfrom course_utils.memory import format_bytes")
+    sh.user_ns["live"] = live
+    _lesson(sh.user_ns, frames=lambda s, t: "def last_error_frames(" in s,
+            lines=lambda s, t: "def run_doctors_lines(" in s)
+    with python((3, 12), monkeypatch):
+        run(sh, "x_big = torch.randn(2000, 256)\ndef train_step(x):\n    h = x * 2\n"
+                "    raise torch.OutOfMemoryError('over the budget')\ntrain_step(x_big)")
+        run(sh, "import weakref\nkept_batch = weakref.ref(x_big)\ndel x_big")
+        run(sh, "_, batch_kept_by = find_holders(kept_batch(), 'the batch')")
+        assert sh.user_ns["batch_kept_by"] == ["train_step"] and "last_exc" in _last_error_kept()
+        row = doctor(sh.user_ns, "cpu").row("the last error's traceback")
+        assert row.frees_bytes == 2 * 2000 * 256 * 4  # the batch and h, held by train_step's frame
+        before = live.bytes
+        run(sh, LINE_311)
+        assert live.bytes == before  # 3.11's line typed on 3.12 frees nothing
+        sh.user_ns["row"] = row
+        run(sh, "drops = run_doctors_lines(row)")
+        assert sum(sh.user_ns["drops"].values()) == before - live.bytes == row.frees_bytes
+        assert sh.user_ns["kept_batch"]() is None and live.bytes == 0 and _last_error_kept() == []
+
+
+def test_01c_types_no_line_of_one_python():
+    """Every line 01c runs to let the last error go comes from the doctor: none of its cells names the sys.last_*
+    that only some Pythons set (the exercise's checker sets sys.last_traceback, which every Python has)."""
     import json
-    from pathlib import Path
+    import re
 
-    from course_utils.doctor import DoctorRow
-
-    cells = json.loads((Path(__file__).resolve().parent.parent / "notebooks" / "01c_memory_doctor.ipynb").read_text())["cells"]
-    namespace = {"DoctorReport": DoctorReport, "DoctorRow": DoctorRow, "MIB": 1 << 20, "claim": lambda *a, **k: None}
-    for name in names:
-        source = next("".join(c["source"]) for c in cells if f"def {name}(" in "".join(c["source"]))
-        body = [n for n in ast.parse(source).body if isinstance(n, (ast.FunctionDef, ast.Assign))]
-        exec(compile(ast.Module(body, []), name, "exec"), namespace)
-    return namespace
+    cells = json.loads(NOTEBOOK.read_text(encoding="utf-8"))["cells"]
+    typed = [line for c in cells if c["cell_type"] == "code" for line in "".join(c["source"]).splitlines()
+             if re.search(r"sys\.last_(type|value|exc)\b|InteractiveTB", line)]
+    assert not typed, typed
 
 
-def test_notebooks_free_first_checker_accepts_its_solution_and_rejects_mistakes():
+def _wrong_who_holds(solution):
+    """Plausible wrong answers to 01c's exercise, most built on its solution."""
+    import types
+
+    def names_only(tensor, namespace):  # no climb: a list in a name, the history, the traceback missed
+        return {k for k, v in namespace.items() if v is tensor}
+
+    def underscore_is_a_name(tensor, namespace):  # IPython's `_` and `__` named, not counted as the history
+        return solution(tensor, namespace) | {k for k, v in namespace.items() if k.startswith("_") and v is tensor}
+
+    def every_frame_is_the_error(tensor, namespace):  # the checker's own frame counted as the last error's
+        frames = [r for r in gc.get_referrers(tensor) if isinstance(r, types.FrameType)]
+        return solution(tensor, namespace) | ({"sys.last_traceback"} if frames else set())
+
+    def a_root_met_once(tensor, namespace, depth=6):  # the namespace marked seen: a second name of it missed
+        history, in_error = namespace.get("Out"), {id(f) for f in solution.__globals__["last_error_frames"]()}
+        holders, seen, level = set(), {id(tensor)}, [tensor]
+        for _ in range(depth):
+            ids, up = {id(o) for o in level}, []
+            for ref in gc.get_referrers(*level):
+                if id(ref) in seen or ref is level or isinstance(ref, (type, types.ModuleType)):
+                    continue
+                seen.add(id(ref))
+                if ref is namespace:
+                    holders |= {"Out" if k.startswith("_") else k for k, v in ref.items() if id(v) in ids}
+                elif ref is history or id(ref) in in_error:
+                    holders.add("Out" if ref is history else "sys.last_traceback")
+                elif not isinstance(ref, types.FrameType):
+                    up.append(ref)
+            level = up
+        return holders
+
+    return [names_only, underscore_is_a_name, every_frame_is_the_error, a_root_met_once,
+            lambda tensor, namespace: solution(tensor, namespace, depth=1),  # one level: a list in a list missed
+            lambda tensor, namespace: set(sorted(solution(tensor, namespace))[:1])]  # stops at the first holder
+
+
+def test_01c_who_holds_checker_accepts_its_solution_and_rejects_mistakes():
     from notebook_lessons import checker_rejects
 
-    ns = _notebook_cell_defs("check_free_first", "solution_free_first")
-    check = ns["check_free_first"]
-    assert check(ns["solution_free_first"])
-    assert checker_rejects(
-        check,
-        lambda rep: max((r for r in rep.rows if r.fix), key=lambda r: r.frees_bytes).fix,  # frees the model too
-        lambda rep: next((r.fix for r in sorted(rep.rows, key=lambda r: -r.bytes)  # the largest group, not
-                          if r.fix and r.kind not in ("parameter", "optimizer state")), None),  # what its line frees
-        lambda rep: rep.rows[0].fix,  # the report's first row, even with no line
-    )
+    ns = _lesson({}, imports=lambda s, t: s.startswith("import gc\nimport pickle"),
+                 frames=lambda s, t: "def last_error_frames(" in s,
+                 checker=lambda s, t: "def check_who_holds(" in s, solution=lambda s, t: "solution" in t)
+    check, solution = ns["check_who_holds"], ns["solution_who_holds"]
+    assert check(solution)
+    for wrong in _wrong_who_holds(solution):
+        assert checker_rejects(check, wrong), wrong
+    with pytest.raises(NotImplementedError):
+        check(ns["my_who_holds"])  # the cell as shipped: the learner's function to write
 
 
 def test_tensors_a_library_keeps_cost_one_search_not_one_each():
@@ -296,7 +477,8 @@ def _fresh_run() -> dict:
     out = Path(tempfile.mkdtemp(prefix="doctor-tests-")) / "outcomes.json"
     code = ("import json, sys, pytest\nfrom course_tools.installed import CellOutcomes\n"
             "outcomes = CellOutcomes()\n"
-            f"pytest.main([{__file__!r}, '-q', '-p', 'no:cacheprovider'], plugins=[outcomes])\n"
+            # pyproject's addopts name nbval's options: a machine without nbval (the GPU check's) must not need them
+            f"pytest.main([{__file__!r}, '-q', '-o', 'addopts=', '-p', 'no:cacheprovider'], plugins=[outcomes])\n"
             f"open({str(out)!r}, 'w').write(json.dumps(outcomes.outcomes))\n")
     proc = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, **{FRESH: "1"}), capture_output=True,
                           text=True, timeout=900, cwd=Path(__file__).parent)
@@ -313,6 +495,7 @@ def _in_a_fresh_process(name: str):
         assert outcome["outcome"] == "passed", f"{name} failed in a fresh process:\n{outcome['text']}"
 
     test.__name__ = test.__qualname__ = name
+    test.pytestmark = getattr(globals()[name], "pytestmark", [])  # `-m gpu` selects what the original is marked
     return test
 
 
