@@ -21,6 +21,11 @@ def set_notebook(name: str) -> None:
     _current_notebook = _check_name(name, "notebook name")
 
 
+def current_notebook() -> str | None:
+    """The notebook :func:`set_notebook` named (``06_capstone_gpt2_xl``), or None outside a notebook."""
+    return _current_notebook
+
+
 def _check_name(name, what: str) -> str:
     if not isinstance(name, str) or not _NAME_RE.match(name):
         raise ValueError(f"{what} {name!r} must be a non-empty string of letters, digits, '_', '-' or '.', "
@@ -28,8 +33,9 @@ def _check_name(name, what: str) -> str:
     return name
 
 
-def record(name: str, value, unit: str, *, notebook: str | None = None) -> dict:
-    """Append one headline figure to ``results/<notebook>.json`` and return its entry."""
+def record(name: str, value, unit: str, *, notebook: str | None = None) -> None:
+    """Append one headline figure to ``results/<notebook>.json``. It returns nothing, so that a cell ending with it
+    shows no echo of the entry (:func:`load_notebook` reads the entries back)."""
     _check_name(name, "figure name")
     notebook = _check_name(notebook, "notebook name") if notebook is not None else _current_notebook
     if notebook is None:
@@ -52,7 +58,6 @@ def record(name: str, value, unit: str, *, notebook: str | None = None) -> dict:
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
     os.replace(tmp, path)  # atomic: a crash mid-write never leaves half a file
-    return entry
 
 
 def load_notebook(notebook: str, folder: str | Path | None = None) -> dict:

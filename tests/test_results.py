@@ -17,7 +17,7 @@ def tmp_results(tmp_path, monkeypatch):
 
 def test_record_appends_entries(tmp_results):
     results.set_notebook("01_memory_accounting")
-    results.record("adam_fp32_bytes_per_param", 16, "bytes")
+    assert results.record("adam_fp32_bytes_per_param", 16, "bytes") is None   # a cell ending with it echoes nothing
     results.record("gpt2_xl_params", 1_557_611_200, "params")
     data = json.loads((tmp_results / "01_memory_accounting.json").read_text())
     assert data["adam_fp32_bytes_per_param"] == {"value": 16, "unit": "bytes", "profile": "smoke", "device": "cpu"}

@@ -99,3 +99,29 @@ def test_cpu_optimizer_step_on_a_matrix_or_in_bf16():
         timing.cpu_optimizer_step(make, 100, shape=(10, 11))
     with pytest.raises(ValueError, match="dtype"):
         timing.cpu_optimizer_step(make, 256, dtype=torch.int8)
+
+
+def test_a_named_cpu_step_is_measured_once_and_read_by_every_notebook_after(tmp_path, monkeypatch):
+    """One number per quantity: 06, 07 and 08 show the same CPU AdamW figure, measured by whichever ran first."""
+    from course_utils import paths, results
+
+    monkeypatch.setattr(paths, "results_dir", lambda: tmp_path)
+    made = []
+
+    def make(params):
+        made.append(1)
+        return torch.optim.AdamW(params, fused=True)
+
+    monkeypatch.setattr(results, "_current_notebook", "06_capstone_gpt2_xl")
+    first = timing.cpu_optimizer_step(make, 2**12, threads=1, repeats=1, min_run_time=0.01, name="AdamW fused")
+    monkeypatch.setattr(results, "_current_notebook", "08_current_toolbox")
+    again = timing.cpu_optimizer_step(make, 2**12, threads=1, repeats=1, min_run_time=0.01, name="AdamW fused")
+    assert len(made) == 1 and first.measured_by == "this cell"
+    assert again.ns_per_param == first.ns_per_param and again.measured_by == "notebook 06_capstone_gpt2_xl"
+    other = timing.cpu_optimizer_step(make, 2**12, threads=2, repeats=1, min_run_time=0.01, name="AdamW fused")
+    assert len(made) == 2 and other.measured_by == "this cell", "another thread count is another measurement"
+    timing.cpu_optimizer_step(make, 2**12, threads=1, repeats=1, min_run_time=0.01)
+    assert len(made) == 3, "without a name nothing is kept or read"
+    (tmp_path / "cpu_steps.json").write_text("{ not json")
+    timing.cpu_optimizer_step(make, 2**12, threads=1, repeats=1, min_run_time=0.01, name="AdamW fused")
+    assert len(made) == 4, "a damaged file is measured again"
