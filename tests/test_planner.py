@@ -585,3 +585,19 @@ def test_a_card_without_flash_runs_grouped_query_attention_in_the_math_kernel():
     assert t4.by_category["activations"] > 1.3 * a100.by_category["activations"]
     assert "math kernel" in t4.notes[0] and "flash" in a100.notes[0]
     assert planner.get_model("llama-3.1-8b").grouped_query and not planner.get_model("llama-2-7b").grouped_query
+
+
+def test_a_card_without_flash_keeps_what_flash_keeps_in_the_memory_efficient_kernel():
+    """A T4 (compute capability 7.5) runs SDPA's memory-efficient kernel where an A100 runs flash: 'fused' prices
+    both, because their outputs for backward are the same bytes (the logsumexp padded to 32 tokens)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    aten = torch.ops.aten
+    with FakeTensorMode():
+        for tokens in (1024, 1000):
+            q = torch.empty(2, 4, tokens, 64, dtype=torch.float16, requires_grad=True)
+            flash = aten._scaled_dot_product_flash_attention(q, q, q, 0.0, True, False)[:2]
+            efficient = aten._scaled_dot_product_efficient_attention(q, q, q, None, True, 0.0, True)[:2]
+            nbytes = [sum(t.numel() * t.element_size() for t in out) for out in (flash, efficient)]
+            padding = 2 * 4 * (-tokens % 32) * 4   # B x H x the tokens to the next multiple of 32, fp32
+            assert nbytes[1] - nbytes[0] == padding, (tokens, nbytes)

@@ -289,8 +289,9 @@ def predict(model, gpu="RTX 3060 (12 GB)", **settings) -> Plan:
 
 
 def attention_kernel(model: ModelSpec, gpu: GPUSpec, s: Settings) -> str:
-    """Whose attention the GPU runs for 'fused' (PyTorch's SDPA): 'fused' (flash from compute capability 8.0, or the
-    memory-efficient kernel: neither keeps T x T tensors), or 'math' where a card without flash (a T4: 7.5) meets
+    """Whose attention the GPU runs for 'fused' (PyTorch's SDPA): 'fused' (flash from compute capability 8.0, else the
+    memory-efficient kernel, which keeps what flash keeps: the output and a B x H x T fp32 logsumexp, T padded to a
+    multiple of 32; tests/test_planner.py compares them), or 'math' where a card without flash (a T4: 7.5) meets
     grouped-query heads: the memory-efficient kernel takes no grouped key/value heads, so SDPA falls back to its math
     kernel (transformers passes enable_gqa when there is no padding mask), which keeps the T x T probabilities."""
     if s.device != "cuda" or s.attention != "fused":
@@ -466,8 +467,10 @@ def predict_settings(model: ModelSpec, gpu: GPUSpec, s: Settings) -> Plan:
                   "CUDA context": overhead_parts["context"]})
     notes = []
     if any(key.startswith("cuda-") for key in model.acts):  # measured with attention
-        notes.append("attention: " + ("PyTorch's fused SDPA kernel (flash for fp16/bf16, memory-efficient for fp32): "
-                                      "no T x T tensors" if kernel == "fused" else
+        flash = tuple(gpu.compute_capability or (9, 0)) >= (8, 0)
+        kernels = ("flash for fp16/bf16, memory-efficient for fp32" if flash else
+                   "memory-efficient: no flash below compute capability 8.0")
+        notes.append("attention: " + (f"PyTorch's fused SDPA kernel ({kernels}): no T x T tensors" if kernel == "fused" else
                                       "SDPA's math kernel: this card has no flash attention (compute capability "
                                       "below 8.0) and the memory-efficient kernel takes no grouped-query heads, so "
                                       "T x T probabilities are kept" if s.attention == "fused" else
