@@ -24,7 +24,7 @@ BOOTSTRAP = re.compile(
     r'    spec = os\.environ\.get\("COURSE_INSTALL_SPEC", f"git\+\{COURSE_REPO\}"\)\n'
     r'    subprocess\.run\(\[sys\.executable, "-m", "pip", "install", "-q", "--no-deps", spec\], check=True\)\n'
     r'import course_utils\n'
-    r'course_utils\.bootstrap\.ensure_packages\(\[(?P<packages>[^\]]*)\]\)\n'
+    r'course_utils\.bootstrap\.ensure_packages\(\[(?P<packages>[^\]]*)\](,\s*optional=\{(?P<optional>[^}]*)\})?\)\n'
     r'PROFILE = course_utils\.setup\("(?P<name>[^"]+)"\)\s*$'
 )
 
@@ -53,6 +53,7 @@ def test_first_code_cell_is_the_bootstrap(path):
     assert match["url"] == URL
     assert match["name"] == path.stem, "course_utils.setup() must name the notebook after its file"
     asked = set(re.findall(r"[\"'](\w+)[\"']", match["packages"]))
+    asked |= set(re.findall(r"[\"'](\w+)[\"']\s*:", match["optional"] or ""))
     assert not asked & {"torch", "torchvision", "torchaudio"}, "the bootstrap never installs torch"
 
 

@@ -60,6 +60,17 @@ def test_run_times_come_from_the_validation_report(tmp_path):
     assert "12 s" in study_times.markdown(rows) or "13 s" in study_times.markdown(rows)
 
 
+def test_a_gpu_check_report_is_not_a_learners_run_time(tmp_path):
+    """scripts/gpu_check.sh's runs use reduced sizes: their wall times would understate a learner's run."""
+    (tmp_path / "nb").mkdir()
+    _notebook(tmp_path / "nb" / "00_a.ipynb", [{"cell_type": "markdown", "source": "hi", "metadata": {}}])
+    report = tmp_path / "report.json"
+    report.write_text(json.dumps({"profile": "gpu-check", "notebooks": [{"notebook": "00_a", "wall_s": 3.0}]}))
+    with pytest.raises(ValueError, match="profile gpu-check.*smoke.*full"):
+        study_times.table(tmp_path / "nb", report)
+    assert study_times.main(["--notebooks-dir", str(tmp_path / "nb"), "--report", str(report)]) == 2
+
+
 def test_bad_inputs_are_explained(tmp_path):
     with pytest.raises(ValueError, match="No notebooks"):
         study_times.table(tmp_path)
