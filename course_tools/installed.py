@@ -15,13 +15,16 @@ every ``.pth`` file. A plain path line in a ``.pth`` file does not run the ``.pt
 no editable finder can leak the repository in (naming this site-packages directly would hide the module too, but
 pip would still see the editable install's dist-info and report it as installed outside the environment). The folder
 can also leave out other distributions (``without``): tests/test_without_optional.py runs notebooks where the
-optional packages were never installed.
+optional packages were never installed. Why by hand: ``venv --system-site-packages`` would see the base
+interpreter's packages, not this environment's, and virtualenv or uv would install every dependency again (torch
+included) into each notebook's environment; a folder of symlinks installs nothing.
 
 How the network is off: a new user, network and mount namespace (``unshare -rnm``) whose only interface is
 loopback, brought up for the kernel's sockets and notebook 07's gloo processes; there the repository is also
 bind-mounted read-only, so any write into it fails the notebook. Where user namespaces are not allowed, a
 ``sitecustomize`` in the fresh environment refuses every non-loopback connection instead, and the repository's
-files are compared before and after.
+files are compared before and after. Why by hand: pytest-socket's ``--disable-socket`` blocks sockets in pytest's
+own process, and the process that must be offline is the kernel, which pytest starts as another one.
 
 Also here, for the per-notebook time budget: a fixed reference workload, timed in the same conditions just before
 each notebook, so a budget is a multiple of what this machine does now, not an absolute time.
@@ -244,7 +247,9 @@ def probe() -> int:
 
 
 class CellOutcomes:
-    """A pytest plugin that keeps each item's outcome, failure text, seconds and properties, by item name."""
+    """A pytest plugin that keeps each item's outcome, failure text, seconds and properties, by item name.
+    (pytest-reportlog's ``--report-log`` writes the same reports as JSON lines: a file to parse, and one more
+    dependency, for what these few lines keep in memory.)"""
 
     def __init__(self):
         self.outcomes: dict[str, dict] = {}
@@ -421,7 +426,9 @@ def kernel_env(work: Path, python: Path, wheel: Path, threads: int | None = None
 def run_one(source: Path, base: Path, wheel: Path, dependencies: Path, isolation: str, threads: int | None = None,
             profile: str | None = None, keep_output: bool = False, cuda_rounding: bool = False) -> dict:
     """Copy the notebook at ``source`` alone into an empty folder and run it as installed; return the result
-    (``keep_output``: with the text its cells printed, under "output")."""
+    (``keep_output``: with the text its cells printed, under "output"). The run's limit (NOTEBOOK_TIMEOUT_S) is on a
+    background process, not on a test item, so pytest-timeout (which times items) cannot set it; nbval's
+    ``--nbval-cell-timeout`` limits each cell."""
     notebook = source.name
     work = base / source.stem
     folder = work / "course"

@@ -13,6 +13,10 @@ Each process runs ``worker.py ARGS`` as ``__main__`` with the variables ``torchr
 - no orphans: every rank is terminated, then killed, on error, timeout or Ctrl-C, and a rank exits by itself when
   the launcher dies (even by SIGKILL, e.g. a notebook kernel restarted mid-run);
 - a failing rank's traceback reaches the caller (:class:`LaunchError`, or exit code 1 on the command line).
+
+Why not torchrun itself (``torch.distributed.run``): its ``--standalone`` also takes a free port, but it has no
+limit on a run's wall time (only restarts, monitoring and a shutdown grace), and it starts each worker in a session
+of its own with nothing that ends it when the agent is killed by SIGKILL; and it imports torch before any rank starts.
 """
 from __future__ import annotations
 

@@ -5,6 +5,9 @@
   them in this environment instead.
 - Notebooks and tests run without a display and without the internet, in a fresh course folder (COURSE_HOME).
 - nbval compares stderr in checked cells; warnings and progress bars there are not lessons, so stderr is skipped.
+  nbval 0.11 has no option for that, nor for keeping the kernel's history (its ``skip_compare`` list and
+  ``store_history=False`` are fixed in its source; a sanitizer rewrites text but cannot drop a stream), so
+  ``_patch_nbval`` sets both; its own options (lax mode, timeouts, kernel name, sanitizers) are used as they are.
 - The committed outputs come from a profile-smoke run. In profile full (a GPU run) sizes, and so printed numbers,
   differ by design: there saved outputs are not compared, and the claim checks are the test.
 """
@@ -115,7 +118,8 @@ class KernelMemorySampler:
     kernel's, already counted; and one that shares the kernel's whole address space (``vfork``, for the
     instant before ``exec``) adds nothing. The kernel's own peak is also read exactly (its VmHWM), so a
     kernel spike shorter than ``interval`` still counts, alone. A child living less than ``interval``
-    seconds can be missed. ``peak_detail`` says who made up the largest sum.
+    seconds can be missed. ``peak_detail`` says who made up the largest sum. By hand, with psutil: pytest-memray
+    counts what a test allocates in pytest's own process, and the kernel is another process, with children.
     """
 
     def __init__(self, pid: int, interval: float = 0.1):

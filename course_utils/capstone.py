@@ -20,8 +20,7 @@ import torch
 from torch import nn
 
 from . import hardware, paths
-from .hardware import gpu_bytes_needed
-from .precision import recommend_precision
+from .hardware import gpu_bytes_needed, recommend_precision
 from .units import GIB
 from .validation import callable_arg, positive_int, positive_number
 
@@ -39,7 +38,7 @@ class Precision(NamedTuple):
 
 
 def device_precision(compute_capability) -> Precision:
-    """Notebook 04's rule (:func:`course_utils.precision.recommend_precision`) for the device copy, from
+    """Notebook 04's rule (:func:`course_utils.hardware.recommend_precision`) for the device copy, from
     ``hardware.compute_capability()``: bf16 from 8.0, fp16 with loss scaling below, fp32 without a GPU."""
     recipe = recommend_precision(compute_capability)  # it also checks the input
     if compute_capability is None:

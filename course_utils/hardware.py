@@ -64,13 +64,27 @@ def gpu_bytes_needed(tensor_peak_bytes: int, compute_capability: tuple[int, int]
                + cublas_workspace_bytes(compute_capability) + context_bytes)
 
 
+def recommend_precision(compute_capability: tuple[int, int] | None) -> str:
+    """The course's recipe for a GPU of this compute capability (None: no CUDA GPU). A fact about the card, so it
+    lives here; notebook 04 teaches it (``course_utils.precision`` re-exports it)."""
+    if compute_capability is None:
+        return "fp32 training (CPU autocast to bf16 saves memory, not always time)"
+    if (not isinstance(compute_capability, tuple) or len(compute_capability) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in compute_capability)):
+        raise ValueError(f"compute_capability must be a (major, minor) tuple such as (8, 0), not {compute_capability!r}.")
+    if compute_capability >= (8, 0):
+        return "bf16 autocast, no GradScaler"
+    if compute_capability >= (7, 0):
+        return "fp16 autocast + GradScaler"
+    return "fp16 autocast + GradScaler (no tensor cores: memory savings only)"
+
+
 def cublas_workspace_bytes(compute_capability: tuple[int, int] | None = None, handles: int = 2) -> int:
     """cuBLAS's workspaces in the caching allocator: one per handle (a thread running matmuls: the loop's, autograd's),
     ``:4096:8`` (32 MiB) on compute capability 9-12, else ``:4096:2:16:8`` (8 MiB + 128 KiB), or CUBLAS_WORKSPACE_CONFIG
     (PyTorch's CublasHandlePool.cpp). cuBLASLt shares it in PyTorch's builds (TORCH_CUBLASLT_UNIFIED_WORKSPACE, on
     unless set to 0); with it off, cuBLASLt keeps a workspace of its own per handle, CUBLASLT_WORKSPACE_SIZE KiB
     (1024 by default), counted here too. ``compute_capability`` None: this GPU's, else 9.0."""
-    from .precision import recommend_precision  # precision -> estimate -> memory import this module
     positive_int(handles, "handles", "threads that run matmuls on the GPU, e.g. 2", allow_zero=True)
     cc = compute_capability
     if cc is None:

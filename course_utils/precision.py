@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from .estimate import dtype_of
+from .hardware import recommend_precision  # noqa: F401 - the recipe per GPU is a hardware fact; taught here
 from .validation import float_tensor, positive_number
 
 _NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
@@ -106,20 +107,6 @@ def autocast_op_table(device_type: str, dtype=torch.bfloat16):
         rows = {name: {label: _NAMES.get(op(*args).dtype) for label, args in inputs.items()}
                 for name, op in ops.items()}
     return pd.DataFrame.from_dict(rows, orient="index").rename_axis("op")
-
-
-def recommend_precision(compute_capability: tuple[int, int] | None) -> str:
-    """The course's recipe for a GPU of this compute capability (None: no CUDA GPU)."""
-    if compute_capability is None:
-        return "fp32 training (CPU autocast to bf16 saves memory, not always time)"
-    if (not isinstance(compute_capability, tuple) or len(compute_capability) != 2
-            or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in compute_capability)):
-        raise ValueError(f"compute_capability must be a (major, minor) tuple such as (8, 0), not {compute_capability!r}.")
-    if compute_capability >= (8, 0):
-        return "bf16 autocast, no GradScaler"
-    if compute_capability >= (7, 0):
-        return "fp16 autocast + GradScaler"
-    return "fp16 autocast + GradScaler (no tensor cores: memory savings only)"
 
 
 def decision_table():

@@ -19,7 +19,7 @@ from torch import nn
 
 from .. import models
 from .measure import KINDS, measure_acts, transformer_data
-from .specs import ActCoeffs, ModelSpec, act_coeffs, spec_from_data
+from .specs import ActCoeffs, ModelSpec, _preset_spec, act_coeffs, model_presets, presets, spec_from_data
 
 DEFAULT_SIZE = 1024  # the sequence length a plan uses unless told
 # samples per measured forward: with one, a reshape of a sliced fused projection (Phi-3's qkv) stays a view and
@@ -265,3 +265,21 @@ def hf_spec(config, name: str | None = None, *, kinds=KINDS, pricings=None, fake
 def _shipped_spec(shipped: str, name: str) -> ModelSpec:
     return spec_from_data(name, {**llm_data()["measured"][shipped],
                                  "config": config_json(llm_data()["configs"][shipped]["config"])})
+
+
+def get_model(model) -> ModelSpec:
+    """A ModelSpec from a preset name ('gpt2-xl', 'bert-base', 'efficientnet_b0', ...), a shipped LLM ('llama-3.1-8b'
+    or its repo id, see ``llm.llm_presets()``) or a ModelSpec. Here, not in :mod:`.specs`: an LLM's spec comes from
+    :func:`hf_spec`, which measures, and the measuring builds on :mod:`.specs`."""
+    if isinstance(model, ModelSpec):
+        return model
+    if not isinstance(model, str):
+        raise TypeError(f"model must be a preset name or a ModelSpec (custom_model(...), hf_spec(config)), not "
+                        f"{type(model).__name__}.")
+    if model not in presets()["models"]:
+        if llm_name(model):
+            return hf_spec(model)
+        raise ValueError(f"Unknown model {model!r}; choose one of {model_presets() + llm_presets()}, describe "
+                         "yours with custom_model(n_params, activation_bytes_per_sample), or price a transformers "
+                         "config with hf_spec(config).")
+    return _preset_spec(model)

@@ -47,10 +47,10 @@ from ..results import load_notebook
 from ..units import GIB
 from ..validation import positive_int
 from .adapters import QUANTIZATIONS, base_bytes, check_targets, lora_tensors, quantized_numel, targeted
-from .llm import ADAPTER_DTYPES, adapter_coeffs
+from .llm import ADAPTER_DTYPES, adapter_coeffs, get_model
 from .plan import Plan
 from .state import BEYOND_ADAM, optimizer_state, paged_state_bytes, state_bytes, tensor_sizes
-from .specs import GPUSpec, ModelSpec, get_gpu, get_model, presets
+from .specs import GPUSpec, ModelSpec, get_gpu, presets
 
 MFU = 0.40
 SMALL_BATCH_PENALTY = 0.10

@@ -19,10 +19,10 @@ import math
 from dataclasses import replace
 
 from ..units import GIB, MIB
-from .llm import hf_spec
+from .llm import get_model, hf_spec
 from .model import make_settings, predict_settings
 from .search import largest_fit
-from .specs import get_gpu, get_model, published_data
+from .specs import get_gpu, published_data
 
 UNITS = {"bytes": 1, "GB": 10**9, "GiB": GIB, "MB": 10**6, "MiB": MIB, "tokens": 1}
 FIGURES = ("max_memory_allocated", "max_memory_reserved", "nvidia-smi", "longest_context")

@@ -16,9 +16,10 @@ from dataclasses import dataclass, replace
 from ..hardware import host_ram_bytes
 from ..units import GIB
 from ..validation import positive_int, positive_number
+from .llm import get_model
 from .model import BEYOND_ADAM, CHECKPOINTING, Settings, make_settings, predict_settings
 from .plan import Plan
-from .specs import GPUSpec, get_gpu, get_model, presets
+from .specs import GPUSpec, get_gpu, presets
 
 
 @dataclass

@@ -9,8 +9,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
 
-from ..hardware import CUDA_CONTEXT_BYTES, PCIE_GB_PER_S
-from ..precision import recommend_precision
+from ..hardware import CUDA_CONTEXT_BYTES, PCIE_GB_PER_S, recommend_precision
 from ..units import GIB, MIB
 from ..validation import positive_int, positive_number
 
@@ -205,25 +204,6 @@ def custom_model(n_params: int, activation_bytes_per_sample: float, *, n_blocks:
 def model_presets() -> list[str]:
     """Names of the model presets."""
     return list(presets()["models"])
-
-
-def get_model(model) -> ModelSpec:
-    """A ModelSpec from a preset name ('gpt2-xl', 'bert-base', 'efficientnet_b0', ...), a shipped LLM ('llama-3.1-8b'
-    or its repo id, see ``llm.llm_presets()``) or a ModelSpec."""
-    from .llm import hf_spec, llm_name, llm_presets
-
-    if isinstance(model, ModelSpec):
-        return model
-    if not isinstance(model, str):
-        raise TypeError(f"model must be a preset name or a ModelSpec (custom_model(...), hf_spec(config)), not "
-                        f"{type(model).__name__}.")
-    if model not in presets()["models"]:
-        if llm_name(model):
-            return hf_spec(model)
-        raise ValueError(f"Unknown model {model!r}; choose one of {model_presets() + llm_presets()}, describe "
-                         "yours with custom_model(n_params, activation_bytes_per_sample), or price a transformers "
-                         "config with hf_spec(config).")
-    return _preset_spec(model)
 
 
 @lru_cache(maxsize=None)
