@@ -12,11 +12,12 @@ from dataclasses import dataclass
 
 from ..hardware import host_ram_bytes
 from ..units import GIB, MIB
-from .llm import llm_data
+from .llm import get_model, llm_data
 from .model import predict
 from .plan import Plan
+from .run import RunPlan, predict_run
 from .search import VARIES, cheapest_fit, largest_fit
-from .specs import custom_model, get_model, gpu_presets, presets
+from .specs import custom_model, gpu_presets, presets
 
 CUSTOM_MODEL = "custom (parameters + activations)"
 CUSTOM_GPU = "custom GPU (GiB below)"
@@ -68,6 +69,31 @@ def plot_plans(plans: dict, *, ax=None, title=None):
     return ax
 
 
+def plot_run(run: RunPlan, *, ax=None, title=None):
+    """A whole run's phases (:func:`~.run.predict_run`): each one's device and host peak as bars, the phase that sets
+    the run's peak marked, the card's memory (and the host budget, when given) as dashed lines."""
+    import matplotlib.pyplot as plt
+
+    if not isinstance(run, RunPlan):
+        raise ValueError(f"plot_run draws a RunPlan (from planner.predict_run), not a {type(run).__name__}.")
+    names = list(run.phases)
+    if ax is None:
+        _, ax = plt.subplots(figsize=(9, 1.2 + 0.45 * len(names)))
+    y = range(len(names))
+    ax.barh([i - 0.2 for i in y], [run.phases[n]["device"] / GIB for n in names], height=0.4, label=run.device)
+    ax.barh([i + 0.2 for i in y], [run.phases[n]["host"] / GIB for n in names], height=0.4, label="host RAM")
+    ax.set_yticks(list(y), [f"{n} (peak)" if n == run.peak_phase else n for n in names])
+    ax.invert_yaxis()
+    if run.device == "cuda" and run.gpu is not None:
+        ax.axvline(run.gpu.memory_gib, color="black", ls="--", label=f"{run.gpu.name}: {run.gpu.memory_gib:.2f} GiB")
+    if run.host_budget_bytes:
+        ax.axvline(run.host_budget_bytes / GIB, color="grey", ls=":", label=f"host {run.host_budget_bytes / GIB:.1f} GiB")
+    b, t = run.worst_batch
+    ax.set(xlabel="GiB", title=title or f"The whole run, phase by phase (worst batch {b} x {t})")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small", frameon=False)
+    return ax
+
+
 @dataclass
 class RenderResult:
     """What the output area shows: a figure, or a message saying what to change."""
@@ -77,6 +103,7 @@ class RenderResult:
     figure: object = None
     plan: object = None
     recommendation: object = None
+    run: object = None  # the whole run's phases (predict_run), when render() was given lengths
 
 
 def largest_lines(spec, gpu, host_gib, settings: dict) -> list[str]:
@@ -95,12 +122,15 @@ def largest_lines(spec, gpu, host_gib, settings: dict) -> list[str]:
 
 
 def render(*, model="gpt2-xl", gpu="RTX 3060 (12 GB)", custom_gpu_gib=8, custom_params_m=100, custom_act_mib=50,
-           lora_rank=0, qlora=False, search=True, host_gib=None, largest=True, **settings) -> RenderResult:
+           lora_rank=0, qlora=False, search=True, host_gib=None, largest=True, lengths=None, eval_batches=1,
+           **settings) -> RenderResult:
     """Plan (and search) for ``settings``, the knobs of ``predict`` (or the widget's labels for them); returns a figure
     (closed: the widget shows it as an image), or the message to show instead: it never raises for bad settings.
     ``lora_rank=0``: every weight trains; ``qlora``: the frozen weights in 4-bit NF4 (with a LoRA rank); ``host_gib``:
     the host RAM the search may use (default: this machine's); ``largest``: also the largest sequence length,
-    micro-batch and LoRA rank that fit (``largest_fit``)."""
+    micro-batch and LoRA rank that fit (``largest_fit``); ``lengths`` (a dataset's sequence lengths): also the whole
+    run's phases (``predict_run``: loading, the first step, the worst batch, ``eval_batches`` of evaluation, saving),
+    with the sequence length as the longest a batch may hold."""
     import matplotlib.pyplot as plt
 
     try:
@@ -126,17 +156,31 @@ def render(*, model="gpt2-xl", gpu="RTX 3060 (12 GB)", custom_gpu_gib=8, custom_
                 lines.append(str(rec))
                 if rec.techniques:
                     plans["cheapest set that fits"] = rec.plan
-        fig, ax = plt.subplots(figsize=(9, 1.4 + 0.7 * len(plans)))
-        plot_plans(plans, ax=ax, title=f"{spec.name} on {plan.gpu.name}: {plan.verdict}")
+        run = None
+        if lengths is not None:
+            knobs = {k: v for k, v in kwargs.items() if k not in ("micro_batch", "size", "quantize_base")}
+            try:
+                run = predict_run(spec, plan.gpu, lengths=lengths, micro_batch=kwargs.get("micro_batch", 1),
+                                  max_length=kwargs.get("size"), eval_batches=eval_batches, host_gib=host_gib, **knobs)
+            except ValueError as err:
+                lines.append(f"The whole run: {err}")
+            else:
+                lines.append(str(run))
+        fig, axes = plt.subplots(1 + (run is not None), 1, figsize=(9, 1.4 + 0.7 * len(plans) + 3 * (run is not None)),
+                                 squeeze=False)
+        plot_plans(plans, ax=axes[0][0], title=f"{spec.name} on {plan.gpu.name}: {plan.verdict}")
+        if run is not None:
+            plot_run(run, ax=axes[1][0])
         fig.tight_layout()
         plt.close(fig)
-        return RenderResult(ok=True, message="\n".join(lines), figure=fig, plan=plan, recommendation=rec)
+        return RenderResult(ok=True, message="\n".join(lines), figure=fig, plan=plan, recommendation=rec, run=run)
     except (ValueError, TypeError) as err:
         return RenderResult(ok=False, message=f"Cannot plan this: {err}")
 
 
-def planner_widget():
-    """The interactive planner: controls on top, the chart (or a message) below.
+def planner_widget(lengths=None):
+    """The interactive planner: controls on top, the chart (or a message) below; with ``lengths`` (a dataset's
+    sequence lengths) also the whole run's phases (``predict_run``), the sequence length as the longest a batch holds.
 
     The returned box has ``controls`` (name -> widget), ``last_result`` (a :class:`RenderResult`) and
     ``set(**values) -> str``: set controls by name (a model may be given by its preset name, e.g.
@@ -203,7 +247,7 @@ def planner_widget():
                   w.HBox([c["lora_rank"], c["qlora"], c["search"]]), c["host_gib"], out])
 
     def update():
-        result = box.last_result = render(**{k: v.value for k, v in c.items()})
+        result = box.last_result = render(**{k: v.value for k, v in c.items()}, lengths=lengths)
         out.clear_output(wait=True)
         with out:
             if result.ok:
