@@ -27,7 +27,7 @@ MIN_PYTHON = (3, 10)
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # What a learner needs to open and run the notebooks (the rest of requirements.txt is for tests).
 LEARNER_PACKAGES = ("torch", "numpy", "pandas", "matplotlib", "seaborn", "tqdm", "ipywidgets", "jupyterlab",
-                    "ipykernel", "transformers", "timm", "mlxtend", "scikit-learn", "psutil")
+                    "ipykernel", "transformers", "timm", "mlxtend", "scikit-learn", "psutil", "trl", "datasets")
 # The course runs without these (README, "Optional packages"): a missing one is reported, not a failure.
 OPTIONAL_PACKAGES = ("bitsandbytes", "torchao", "peft", "lion-pytorch", "adam-mini", "galore-torch", "apollo-torch")
 INSTALL_FIX = "from the course folder run `make install` (or `pip install -r requirements.txt -e .`)"

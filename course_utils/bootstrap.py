@@ -23,7 +23,8 @@ COURSE_PACKAGES = {"timm": "timm>=1.0", "bitsandbytes": "bitsandbytes>=0.50", "t
                    "mlxtend": "mlxtend>=0.23", "sklearn": "scikit-learn>=1.3", "psutil": "psutil>=5.9",
                    "torchao": "torchao>=0.18", "peft": "peft>=0.21", "accelerate": "accelerate>=1.0",
                    "lion_pytorch": "lion-pytorch>=0.2.5,<0.3", "adam_mini": "adam-mini>=1.1.1,<1.2",
-                   "galore_torch": "galore-torch>=1.0,<1.1", "apollo_torch": "apollo-torch>=1.0.3,<1.1"}
+                   "galore_torch": "galore-torch>=1.0,<1.1", "apollo_torch": "apollo-torch>=1.0.3,<1.1",
+                   "trl": "trl>=1.16,<2", "datasets": "datasets>=4.7"}
 NEVER_INSTALL = {"torch", "torchvision", "torchaudio"}
 # What a notebook may do without (README, "Optional packages"): libraries a lesson measures beside its own code.
 OPTIONAL_PACKAGES = ("bitsandbytes", "torchao", "peft", "lion_pytorch", "adam_mini", "galore_torch", "apollo_torch")

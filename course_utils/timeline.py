@@ -2,6 +2,7 @@
 ``torch.cuda.memory._snapshot()`` so PyTorch's memory viewer draws it."""
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass
 
@@ -199,3 +200,73 @@ def snapshot_frame(snapshot: dict, device: int = 0):
         da, dr = effect.get(event["action"], (0, 0))
         allocated, reserved = allocated - da * event["size"], reserved - dr * event["size"]
     return pd.DataFrame(rows[::-1], columns=["action", "allocated", "reserved"])
+
+
+class _PhaseRecorder(_Recorder):
+    """The timeline's recorder, each event also labelled with the named step phase running (``step_phase``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.running = []
+
+    def _update_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None) -> None:
+        first = len(self.events)
+        super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
+        label = self.running[0] if self.running else None  # the outermost named phase
+        self.events[first:] = [(*event, label) for event in self.events[first:]]
+
+    # a model called inside a method of another (a trainer's fused head) can reach backward unseen: skip its stats
+    def _pre_bw_hook(self, module, args) -> None:
+        if module in self.memory_tracking:
+            super()._pre_bw_hook(module, args)
+
+    def _post_bw_hook(self, module, args) -> None:
+        if module in self.memory_tracking:
+            super()._post_bw_hook(module, args)
+
+
+def record_phases(fn, *, model, phases: dict, state=()) -> Timeline:
+    """Run ``fn()`` and record its memory timeline (as :func:`record_timeline`) on the model's device, each event
+    labelled in ``step_phase`` by the outermost of ``phases`` ({label: (object, method name)}) running, else by the
+    forward / backward / optimizer phase. ``state``: more modules and optimizers alive from the start (a reference
+    model, the optimizer), counted from the first event."""
+    _check_args(fn, model, None)
+    if not isinstance(phases, dict) or not all(isinstance(v, tuple) and len(v) == 2 and callable(getattr(*v, None))
+                                              for v in phases.values()):
+        raise ValueError("phases maps a label to (object, method name), e.g. {'generation': (trainer, '_generate')}.")
+    import pandas as pd
+
+    recorder = _PhaseRecorder()
+    recorder.track_external(model, *state)
+    patched = []
+
+    def named(label, method):
+        @functools.wraps(method)
+        def run(*args, **kwargs):
+            recorder.running.append(label)
+            try:
+                return method(*args, **kwargs)
+            finally:
+                recorder.running.pop()
+        return run
+
+    try:
+        for label, (obj, name) in phases.items():
+            patched.append((obj, name, vars(obj).get(name)))
+            setattr(obj, name, named(label, getattr(obj, name)))
+        with recorder:
+            fn()
+    finally:
+        for obj, name, before in reversed(patched):  # the instance as it was: its own attribute, or the class's
+            delattr(obj, name)
+            if before is not None:
+                setattr(obj, name, before)
+    recorder.recording = False
+    columns = ["action", "key", "bytes", "category", "from_category", "phase", "device", "step_phase"]
+    ev = pd.DataFrame(recorder.events, columns=columns)
+    device = str(next(model.parameters()).device)
+    ev = ev[ev["device"] == device].drop(columns="device").reset_index(drop=True)
+    ev["step_phase"] = ev["step_phase"].fillna(ev["phase"])
+    ev["bytes"] = ev["bytes"].astype("int64")
+    ev["total"] = np.where(ev["action"] == "alloc", ev["bytes"], np.where(ev["action"] == "free", -ev["bytes"], 0)).cumsum()
+    return Timeline(events=ev, device=device)

@@ -13,15 +13,20 @@ PyTorch loop) and :mod:`.widget` draws notebook 00's tables, charts and interact
 """
 from . import published
 from .export import TrainerExport, fsdp_rank_bytes, to_accelerate_fsdp, to_deepspeed, to_script, to_trainer
-from .llm import hf_spec, llm_presets
+from .llm import get_model, hf_spec, llm_presets
 from .measure import gpt2_spec, small_cnn
 from .model import BEYOND_ADAM, CATEGORIES, CPU_STEP_REFERENCE, cpu_step_ns, lora_params, make_settings, predict, step_seconds
 from .plan import FIGURES, Plan, plan_spread
+from .rl import RLStepPrice, engine_pool_bytes, price_grpo_step
 from .search import LargestFit, cheapest_fit, largest_fit
-from .specs import custom_gpu, custom_model, get_gpu, get_model, gpu_presets, model_presets, presets
+from .specs import custom_gpu, custom_model, get_gpu, gpu_presets, model_presets, presets
 from .widget import plan_frame, planner_widget, plot_plans
 
-__all__ = ["BEYOND_ADAM", "CATEGORIES", "CPU_STEP_REFERENCE", "FIGURES", "LargestFit", "Plan", "TrainerExport", "cheapest_fit", "cpu_step_ns", "custom_gpu", "custom_model",
+__all__ = ["BEYOND_ADAM", "CATEGORIES", "CPU_STEP_REFERENCE", "FIGURES", "LargestFit", "Plan", "RLStepPrice", "TrainerExport", "cheapest_fit", "cpu_step_ns", "custom_gpu", "engine_pool_bytes", "custom_model",
            "fsdp_rank_bytes", "get_gpu", "get_model", "gpt2_spec", "gpu_presets", "hf_spec", "largest_fit", "llm_presets", "lora_params", "make_settings",
-           "model_presets", "plan_frame", "plan_spread", "planner_widget", "published", "plot_plans", "predict", "presets", "small_cnn",
+           "model_presets", "plan_frame", "plan_spread", "planner_widget", "published", "plot_plans", "predict", "presets", "price_grpo_step", "small_cnn",
            "step_seconds", "to_accelerate_fsdp", "to_deepspeed", "to_script", "to_trainer"]
+from .run import RunPlan, measure_phase, predict_run, worst_batch
+from .widget import plot_run
+
+__all__ += ["RunPlan", "measure_phase", "plot_run", "predict_run", "worst_batch"]
