@@ -3,6 +3,9 @@
 # Both install into .venv/ in this folder and are idempotent: the install re-runs only when
 # requirements.txt or pyproject.toml change.
 PYTHON ?= python3
+# pip byte-compiles every file of every package it installs (about a minute on two cores, mostly modules no lesson
+# imports); with --no-compile Python compiles what is imported, once, into .venv, which needs bytecode writing on.
+unexport PYTHONDONTWRITEBYTECODE
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
@@ -12,8 +15,8 @@ STAMP  := $(VENV)/.installed
 $(STAMP): requirements.txt pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "Python 3.10+ is needed (3.11 recommended); set PYTHON=python3.11")'
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet -r requirements.txt
-	$(PY) -m pip install --quiet --no-deps -e .
+	$(PY) -m pip install --quiet --no-compile -r requirements.txt
+	$(PY) -m pip install --quiet --no-compile --no-deps -e .
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -5,7 +5,10 @@ again as a learner installs it (``course_tools.installed``). One run now does bo
 run with the course's plugin and options, and it reports every cell, so the test items stay one per cell
 (``course_tools.nbval_plugin`` turns each cell's item into a lookup of its outcome here). The runs start as soon as
 pytest has collected, ``WORKERS`` at a time, longest first, and the main process runs the unit tests meanwhile:
-the notebooks' cells are collected last, so by the time pytest reaches them most have finished.
+the notebooks' cells are collected last, so by the time pytest reaches them most have finished. Why not
+pytest-xdist (``make test-fast`` uses it): its workers are started once, alike, in this environment, and take test
+items in its own order; each notebook needs a fresh environment, HOME and network namespace of its own, the longest
+first, while the main process runs the unit tests and takes the cores back as kernels finish.
 
 ``COURSE_NOTEBOOKS=here`` runs notebooks the old way instead: nbval in this process's environment, with the
 repository's editable install (quicker to start while editing a notebook; the installed checks are then skipped).
@@ -30,7 +33,7 @@ BUDGETS = {
     "00_start_here": 25, "01_memory_accounting": 45, "01b_reading_gpu_memory": 25, "01c_memory_doctor": 25,
     "02_gradient_accumulation": 45, "03_gradient_checkpointing": 35, "04_mixed_precision": 30, "05_8bit_adam": 30,
     "06_capstone_gpt2_xl": 90, "07_beyond_one_gpu": 30, "08_current_toolbox": 110, "09_smaller_than_the_model": 60,
-    "10_beyond_adam": 35,
+    "10_beyond_adam": 35, "11_a_whole_run": 45, "12_rl_fine_tuning": 45,   # 11, 12: about twice their runs alone
 }
 MODES = ("installed", "here")
 # The test runs count as a GPU does: every storage in CUDA's 512-byte blocks (course_utils.memory.cuda_rounding), so

@@ -63,20 +63,22 @@ PROFILE=gpu-check BUDGET_FACTOR=1
 
 # name | budget on the reference GPU (s) | extra environment | notebook (empty: the unit tests)
 STEPS=(
-  "gpu-unit-tests|40||"
+  "gpu-unit-tests|35||"
   "00_start_here|20||00_start_here"
-  "01_memory_accounting|35|COURSE_GPU_CHECK_CAP_GIB=12|01_memory_accounting"
-  "01b_reading_gpu_memory|25||01b_reading_gpu_memory"
+  "01_memory_accounting|30|COURSE_GPU_CHECK_CAP_GIB=12|01_memory_accounting"
+  "01b_reading_gpu_memory|20||01b_reading_gpu_memory"
   "01c_memory_doctor|20||01c_memory_doctor"
-  "02_gradient_accumulation|30||02_gradient_accumulation"
-  "03_gradient_checkpointing|25||03_gradient_checkpointing"
-  "04_mixed_precision|20|COURSE_GPU_CHECK_CAP_GIB=12|04_mixed_precision"
+  "02_gradient_accumulation|25||02_gradient_accumulation"
+  "03_gradient_checkpointing|20||03_gradient_checkpointing"
+  "04_mixed_precision|15|COURSE_GPU_CHECK_CAP_GIB=12|04_mixed_precision"
   "05_8bit_adam|20||05_8bit_adam"
-  "06_capstone_gpt2_xl|80||06_capstone_gpt2_xl"
+  "06_capstone_gpt2_xl|70||06_capstone_gpt2_xl"
   "07_beyond_one_gpu|20||07_beyond_one_gpu"
-  "08_current_toolbox|50||08_current_toolbox"
-  "09_smaller_than_the_model|40||09_smaller_than_the_model"
+  "08_current_toolbox|45||08_current_toolbox"
+  "09_smaller_than_the_model|35||09_smaller_than_the_model"
   "10_beyond_adam|30||10_beyond_adam"
+  "11_a_whole_run|25||11_a_whole_run"
+  "12_rl_fine_tuning|25||12_rl_fine_tuning"
 )
 STEP_NAMES=()
 for step in "${STEPS[@]}"; do STEP_NAMES+=("${step%%|*}"); done

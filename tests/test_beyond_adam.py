@@ -3,7 +3,6 @@ the optimizers' state formulas against torch's and the authors' packages on anot
 second moment against torch's Adafactor, GaLore's step against galore-torch's GaLoreAdamW, the race's learning-rate
 sweep (widened past a winning edge) and its verdicts, the stochastic rounding checker against plausible wrong answers
 (and torchao's rounding), the norm pass against clip_grad_norm_."""
-import copy
 import functools
 import math
 from pathlib import Path

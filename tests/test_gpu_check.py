@@ -245,6 +245,14 @@ def _work_10(s):
     return race * s["STEPS"] * runs + clip + math.prod(s["CPU_SHAPE"])
 
 
+def _work_12(s):   # TRL's run and its 4 one-step runs; the hand-written step: 8 settings x 2 steps
+    m = s["MODEL"]
+    d, f, n, v = m["hidden_size"], m["intermediate_size"], m["num_hidden_layers"], m["vocab_size"]
+    kv = d // m["num_attention_heads"] * m["num_key_value_heads"]
+    params = n * (2 * d * d + 2 * d * kv + 3 * d * f) + v * d * (1 if m.get("tie_word_embeddings") else 2)
+    return params * s["PROMPTS"] * s["G"] * (s["PROMPT_LEN"] + s["COMPLETION_LEN"]) * (s["TRL_STEPS"] + 4 + 16)
+
+
 # What each notebook's main workloads cost: parameters x samples (or tokens) per step, times the steps where the
 # settings choose them, summed. A training step's FLOPs are about 6 x parameters x tokens, so this is a sixth of the
 # FLOPs the notebook runs on the device (the fake-tensor steps of 01b, priced as if run: their tracking cost grows
@@ -283,6 +291,11 @@ WORK = {
         * (s["PRETRAIN_STEPS"] + 3 * s["FINETUNE_STEPS"])),
     "09_smaller_than_the_model": _work_09,
     "10_beyond_adam": _work_10,
+    "11_a_whole_run": lambda s: (   # every step at most micro-batch x MAX_LEN: the run, its evaluations, the resumed
+        # step, section 4's two steps, section 5's evaluations, section 8's measured and timed steps
+        gpt2("gpt2", **s["GPT_SIZE"], vocab_size=s["VOCAB"], n_positions=s["MAX_LEN"]) * s["MICRO_BATCH"] * s["MAX_LEN"]
+        * (s["STEPS"] + 5 + s["STEPS"] // s["EVAL_EVERY"] * s["EVAL_BATCHES"] + 22)),
+    "12_rl_fine_tuning": _work_12,
 }
 # The planner's arithmetic and a fake-tensor table: nothing trains, and nothing in its settings depends on the profile.
 SAME_IN_EVERY_PROFILE = {"00_start_here"}

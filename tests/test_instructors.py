@@ -61,15 +61,15 @@ def _section(title: str) -> str:
     return guide[start:guide.index("\n#", start + len(title))]
 
 
-def test_the_three_day_plan_covers_every_notebook_at_its_study_time():
+def test_the_four_day_plan_covers_every_notebook_at_its_study_time():
     """Every notebook of the study-times table appears once, with the table's study minutes (run time included),
     and each day's total is the sum of its notebooks."""
     table = GUIDE.read_text().split("<!-- study-times:begin -->")[1].split("<!-- study-times:end -->")[0]
     study = {n: int(m) for n, m in re.findall(r"^\| (\d\d[a-z]?)_\w+ \|.* (\d+) min \|$", table, re.M)}
     in_table = list(study)
     planned = []
-    days = re.findall(r"^\| (\d) \| (.+) \| (\d+) min \|$", _section("### Three-day course"), re.M)
-    assert len(days) == 3, "the three-day plan has a row per day"
+    days = re.findall(r"^\| (\d) \| (.+) \| (\d+) min \|$", _section("### Four-day course"), re.M)
+    assert len(days) == 4, "the four-day plan has a row per day"
     for day, notebooks, total in days:
         entries = re.findall(r"(\d\d[a-z]?) \((\d+)\)", notebooks)
         for number, minutes in entries:

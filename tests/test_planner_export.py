@@ -98,18 +98,28 @@ def test_the_plain_loop_script_runs_the_plans_step(tmp_path):
                                                 logging_steps=1).script)
     trainer = subprocess.Popen([sys.executable, str(trainer_script)], stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True)
-    runs = []
+    plans, paths = [], []
     for i, (family, settings) in enumerate(SCRIPTS):
-        plan = planner.predict(spec(family), **STEP, **settings)
-        path = tmp_path / f"plan{i}.py"
-        path.write_text(export.to_script(plan, config=config(family)))
-        runs.append((family, settings, plan, subprocess.Popen([sys.executable, str(path)], stdout=subprocess.PIPE,
-                                                                stderr=subprocess.STDOUT, text=True)))
+        plans.append((family, settings, planner.predict(spec(family), **STEP, **settings)))
+        paths.append(tmp_path / f"plan{i}.py")
+        paths[-1].write_text(export.to_script(plans[-1][2], config=config(family)))
+    # the three scripts one after another in one process (torch and transformers imported once), each as __main__
+    runner = ("import contextlib, gc, io, runpy, sys\n"
+              "for path in sys.argv[1:]:\n"
+              "    out = io.StringIO()\n"
+              "    with contextlib.redirect_stdout(out):\n"
+              "        runpy.run_path(path, run_name='__main__')\n"
+              "    gc.collect()\n"
+              "    print('measured peak: ' + out.getvalue().split('measured peak: ')[1].split(' bytes')[0] + ' bytes',"
+              " flush=True)\n")
     start = time.perf_counter()
-    for family, settings, plan, proc in runs:  # all at once: each process mostly imports
-        out, _ = proc.communicate(timeout=300)
-        assert proc.returncode == 0, out[-3000:]
-        measured = int(out.split("measured peak: ")[1].split(" bytes")[0])
+    scripts = subprocess.run([sys.executable, "-c", runner, *map(str, paths)], capture_output=True, text=True,
+                             timeout=600)
+    assert scripts.returncode == 0, scripts.stdout[-3000:] + scripts.stderr[-3000:]
+    peaks = [int(line.split("measured peak: ")[1].split(" bytes")[0]) for line in scripts.stdout.splitlines()
+             if line.startswith("measured peak: ")]
+    assert len(peaks) == len(plans), scripts.stdout[-3000:]
+    for (family, settings, plan), measured in zip(plans, peaks):
         check("to_script", family, name(settings), plan.tensor_peak_bytes, measured, time.perf_counter() - start)
     out, _ = trainer.communicate(timeout=300)
     assert trainer.returncode == 0 and out.count("'loss'") == 2, out[-3000:]  # a loss logged at each of 2 steps

@@ -230,7 +230,6 @@ def test_check_block_quantizer_rejects_wrong_answers(check_block_quantizer, quan
 
 
 def test_checker_rejects_counts_every_wrong_answer(check_block_quantizer):
-    from course_utils import checks
 
     check = lambda fns: check_block_quantizer(*fns, _block(), _code())  # noqa: E731
     assert checker_rejects(check, (_code_above, _dequantize), (_linear_int8, _dequantize))
