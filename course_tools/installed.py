@@ -371,9 +371,13 @@ def distribution_entries(import_names) -> set[str]:
 
 
 def dependency_folder(folder: Path, without=()) -> Path:
-    """Fill ``folder`` with symlinks to this environment's site-packages without the course itself, and without
-    the distributions of the import names in ``without`` (their files and their metadata)."""
+    """Fill ``folder/site-packages`` with symlinks to this environment's site-packages without the course itself,
+    and without the distributions of the import names in ``without`` (their files and their metadata); returns it.
+    The name matters: libraries judge "installed" by the path (dill pickles a module by value unless its file is
+    under ``sys.prefix`` or a ``site-packages`` folder, and so fails on pyarrow's tables in 12's ``datasets``)."""
     left_out = distribution_entries(without)
+    folder = folder / "site-packages"
+    folder.mkdir(parents=True, exist_ok=True)
     for site in dict.fromkeys(Path(sysconfig.get_paths()[key]) for key in ("purelib", "platlib")):
         if not site.is_dir():
             continue

@@ -61,6 +61,7 @@ def test_a_dependency_folder_can_leave_packages_out(tmp_path):
     assert "bitsandbytes" not in names and "lion_pytorch" not in names, "their packages"
     assert not any(n.startswith(("bitsandbytes-", "lion_pytorch-")) for n in names), "their metadata"
     assert "torch" in names and "transformers" in names
+    assert folder.name == "site-packages", "a library judging 'installed' by the path (dill) must see an install"
 
 
 @pytest.mark.slow  # processes of their own (tens of seconds): make test runs it, make test-fast does not
