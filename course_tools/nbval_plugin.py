@@ -328,8 +328,26 @@ def pytest_configure(config):
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 
 
+def _start_background_work(session) -> None:
+    """A test module whose tests wait on a process of their own (``start_in_background(items)``: test_doctor's fresh
+    run, test_gpu_check's dry run) starts it now when its tests are selected, so it runs beside the other tests
+    instead of in their line. Not
+    in a pytest-xdist worker: each collects every test, and the module then starts it at its first test."""
+    if session.config.option.collectonly or os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    selected: dict = {}
+    for item in session.items:
+        selected.setdefault(getattr(item, "module", None), []).append(item)
+    for module, items in selected.items():
+        start = getattr(module, "start_in_background", None)
+        if callable(start):
+            start(items)   # the module's selected tests: it starts only what they need
+
+
 def pytest_collection_finish(session):
-    """Start the selected notebooks' installed runs now, so they run while the unit tests do."""
+    """Start the selected notebooks' installed runs now, so they run while the unit tests do; and the test modules'
+    own background work (:func:`_start_background_work`)."""
+    _start_background_work(session)
     if not _installed(session.config) or session.config.option.collectonly:
         return
     try:
