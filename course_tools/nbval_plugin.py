@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 os.environ.setdefault("MPLBACKEND", "Agg")
 # Tests start from an empty course folder: a checkpoint or worker file left by an earlier run (or by the
@@ -417,16 +418,29 @@ def pytest_unconfigure(config):
         runs.stop()
 
 
+# Tests that drive processes of their own (a JupyterLab server, Chromium) run last among the unit tests: there the
+# notebooks' runs are ending and leave them the cores (first, beside every kernel starting, they took twice as long).
+LATE_TEST_FILES = ("test_browser.py",)
+
+
+def _order(item) -> tuple:
+    """The unit tests, then those of ``LATE_TEST_FILES``, then the notebooks' cells, then ``after_notebooks``."""
+    path = Path(str(getattr(item, "path", "")))
+    group = 2 if path.suffix == ".ipynb" else 1 if path.name in LATE_TEST_FILES else 0
+    return item.get_closest_marker("after_notebooks") is not None, group
+
+
 def pytest_collection_modifyitems(session, config, items):
-    """Append a peak-RSS check after the last cell of every notebook that runs; tests marked ``after_notebooks``
-    (they compare the figures several notebooks recorded) go last. Tests marked ``bare`` (the notebooks again,
+    """Append a peak-RSS check after the last cell of every notebook that runs; the browser tests run after the other
+    unit tests (:func:`_order`); tests marked ``after_notebooks`` (they compare the figures several notebooks recorded)
+    go last. Tests marked ``bare`` (the notebooks again,
     without the optional packages: minutes) run only when ``-m`` names them (``make test-bare``)."""
     if "bare" not in (config.option.markexpr or ""):
         bare = [item for item in items if item.get_closest_marker("bare") is not None]
         if bare:
             config.hook.pytest_deselected(items=bare)
             items[:] = [item for item in items if item.get_closest_marker("bare") is None]
-    items.sort(key=lambda item: item.get_closest_marker("after_notebooks") is not None)  # stable: order kept
+    items.sort(key=_order)  # stable: the order within each group kept
     try:
         from nbval.plugin import IPyNbFile
     except ImportError:
