@@ -8,6 +8,7 @@ import tempfile
 import weakref
 from pathlib import Path
 
+import background
 import pytest
 import torch
 from counting import counted
@@ -467,30 +468,14 @@ def test_a_checkpointed_graph_is_counted_without_recomputing_it():
 FRESH = "COURSE_DOCTOR_TESTS_FRESH"
 
 
-_FRESH_RUN: dict = {}
-
-
 def start_in_background(items=()) -> None:
     """The fresh process starts in a thread of this test run: the course's pytest plugin calls this when these tests
     are selected, so it runs beside the other tests (about a minute on two busy cores); else the first test does."""
-    if "future" not in _FRESH_RUN:
-        import concurrent.futures
-        import threading
-
-        future = _FRESH_RUN["future"] = concurrent.futures.Future()
-
-        def run():
-            try:
-                future.set_result(_run_fresh())
-            except BaseException as err:  # noqa: BLE001  the tests report it
-                future.set_exception(err)
-
-        threading.Thread(target=run, name="doctor-tests", daemon=True).start()
+    background.start("doctor-tests", _run_fresh)
 
 
 def _fresh_run() -> dict:
-    start_in_background()
-    return _FRESH_RUN["future"].result()
+    return background.start("doctor-tests", _run_fresh).result()
 
 
 def _run_fresh() -> dict:

@@ -13,6 +13,7 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
+import background
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -536,14 +537,6 @@ def bare_python(tmp_path_factory) -> Path:
     return _bare_python(tmp_path_factory.mktemp("bare"))
 
 
-@pytest.fixture(scope="module")
-def wheels(tmp_path_factory) -> Path:
-    """The wheel folder --fetch-wheels makes, built offline from this environment's installs and the checkout."""
-    folder = tmp_path_factory.mktemp("wheels")
-    gpu_check_wheels.pack(folder)
-    return folder
-
-
 def _network_off() -> tuple[str, ...]:
     """`unshare -rn` (a new network namespace with no interface but loopback) where allowed, else nothing (the bare
     venv's sitecustomize refuses sockets anyway)."""
@@ -558,36 +551,26 @@ def test_without_wheels_a_bare_python_is_told_to_bring_them(tmp_path, bare_pytho
 
 
 DRY_RUN_TEST = "test_dry_run_on_a_bare_machine_passes_end_to_end"
-_DRY_RUN: dict = {}
-
-
 def start_in_background(items=()) -> None:
     """The end-to-end dry run (a bare venv, the wheels, the script: about a minute on two busy cores) starts in a
     thread of this test run when its test is selected: the course's pytest plugin calls this at collection, so it runs
     beside the other tests; else the test starts it."""
-    if "future" in _DRY_RUN or (items and not any(item.name == DRY_RUN_TEST for item in items)):
+    if items and not any(item.name == DRY_RUN_TEST for item in items):
         return
-    import concurrent.futures
     import tempfile
-    import threading
-
-    future = _DRY_RUN["future"] = concurrent.futures.Future()
 
     def work():
-        try:
-            base = Path(tempfile.mkdtemp(prefix="gpu-check-dry-run-"))
-            python = _bare_python(base / "bare")
-            (base / "wheels").mkdir()
-            gpu_check_wheels.pack(base / "wheels")
-            out = base / "report"
-            # beside the whole test suite on two cores: 01b's smoke run took over 3x its GPU budget there once
-            proc = run("--dry-run", "--wheels", str(base / "wheels"), "--steps", "gpu-unit-tests,01b_reading_gpu_memory",
-                       out=out, python=python, timeout=600, prefix=_network_off(), dry_run_factor=8)
-            future.set_result((proc, out))
-        except BaseException as err:  # noqa: BLE001  the test reports it
-            future.set_exception(err)
+        base = Path(tempfile.mkdtemp(prefix="gpu-check-dry-run-"))
+        python = _bare_python(base / "bare")
+        (base / "wheels").mkdir()
+        gpu_check_wheels.pack(base / "wheels")   # the wheel folder --fetch-wheels makes, built offline
+        out = base / "report"
+        # beside the whole test suite on two cores: 01b's smoke run took over 3x its GPU budget there once
+        proc = run("--dry-run", "--wheels", str(base / "wheels"), "--steps", "gpu-unit-tests,01b_reading_gpu_memory",
+                   out=out, python=python, timeout=600, prefix=_network_off(), dry_run_factor=8)
+        return proc, out
 
-    threading.Thread(target=work, name="gpu-check-dry-run", daemon=True).start()
+    background.start("gpu-check-dry-run", work)
 
 
 @pytest.mark.slow
@@ -597,7 +580,7 @@ def test_dry_run_on_a_bare_machine_passes_end_to_end():
     the report written, every step's budget printed first and the total last. The other notebooks are left out here
     for time (the report lists them as skipped); each runs under nbval in the test suite."""
     start_in_background()
-    proc, out = _DRY_RUN["future"].result()
+    proc, out = background.start("gpu-check-dry-run", None).result()
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert "[wheels] ipython: unpacked" in proc.stdout and "[wheels] pytest" not in proc.stdout
     assert "bitsandbytes is not installed: the parts that need it are skipped" in proc.stdout
