@@ -97,13 +97,24 @@ def _vm_hwm_bytes(pid: int) -> int:
         return 0
 
 
+SHARED_SPACE_SLACK = 16 * 2**20   # a vfork'd child and the kernel read a few microseconds apart
+
+
 def _child_adds(child, kernel, kernel_cmdline) -> int:
-    """The bytes a kernel's child adds to the kernel's resident set (see KernelMemorySampler)."""
+    """The bytes a kernel's child adds to the kernel's resident set (see KernelMemorySampler).
+
+    A child that is about to run another program (``subprocess`` vforks, then the child execs g++) can exec while
+    its memory is being read: what was read is then the kernel's own address space, under the compiler's name
+    (a sampled "g++ 936 MiB" beside a 1,280 MiB kernel). So the program is read before and after the memory;
+    if it changed, the memory is read again, now the new program's."""
+    before = child.cmdline()
     info = child.memory_full_info()
-    if child.cmdline() != kernel_cmdline:         # another program: its share of every page it maps
+    if before == kernel_cmdline and child.cmdline() != kernel_cmdline:
+        before, info = child.cmdline(), child.memory_full_info()   # it exec'd while we read: read the new program
+    if before != kernel_cmdline:                  # another program: its share of every page it maps
         return getattr(info, "pss", info.rss)
     kernel_now = kernel.memory_info()
-    if (info.rss, info.vms) == (kernel_now.rss, kernel_now.vms):
+    if info.vms == kernel_now.vms and abs(info.rss - kernel_now.rss) <= SHARED_SPACE_SLACK:
         return 0    # the kernel's own address space (vfork before exec), or a fork that has written nothing yet
     return getattr(info, "uss", info.rss)         # a copy of the kernel: the pages it alone holds
 

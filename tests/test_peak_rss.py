@@ -87,3 +87,48 @@ def test_a_forked_copy_of_the_kernel_adds_only_the_pages_it_writes():
     assert 390 * 2**20 <= sampler.together_peak < 460 * 2**20, (
         f"{sampler.together_peak / 2**20:.0f} MiB for a 300 MiB kernel and a fork that wrote 100 MiB "
         f"({sampler.peak_detail})")
+
+
+class _Memory:
+    def __init__(self, rss, vms, pss=None, uss=None):
+        self.rss, self.vms, self.pss, self.uss = rss, vms, rss if pss is None else pss, rss if uss is None else uss
+
+
+class _ChildThatExecs:
+    """A vfork'd child of the kernel that runs g++ after its first read: until then its memory is the kernel's."""
+
+    def __init__(self, kernel_cmdline, kernel_memory, program_memory, exec_after_reads):
+        self.reads, self.exec_after = 0, exec_after_reads
+        self.kernel_cmdline, self.kernel_memory, self.program_memory = kernel_cmdline, kernel_memory, program_memory
+
+    def _execd(self):
+        return self.reads >= self.exec_after
+
+    def cmdline(self):
+        self.reads += 1
+        return ["g++", "-O3", "kernel.cpp"] if self._execd() else self.kernel_cmdline
+
+    def memory_full_info(self):
+        self.reads += 1
+        return self.program_memory if self._execd() else self.kernel_memory
+
+
+class _Kernel:
+    def __init__(self, memory):
+        self.memory = memory
+
+    def memory_info(self):
+        return self.memory
+
+
+def test_a_child_that_execs_while_it_is_read_counts_as_the_new_program():
+    # Seen in a fresh-clone run: a child read while it still shared the kernel's memory, then named after the
+    # compiler it had become: "kernel 1,280 + g++ 936 MiB", over Binder's 2 GiB, with no such g++ running.
+    mib = 2**20
+    kernel_cmdline = ["python", "-m", "ipykernel_launcher"]
+    kernel_memory = _Memory(rss=1280 * mib, vms=5000 * mib, pss=936 * mib, uss=900 * mib)
+    compiler = _Memory(rss=30 * mib, vms=80 * mib, pss=12 * mib)
+    for exec_after in range(1, 5):   # exec before, during and after the reads
+        child = _ChildThatExecs(kernel_cmdline, kernel_memory, compiler, exec_after)
+        added = nbval_plugin._child_adds(child, _Kernel(_Memory(rss=1282 * mib, vms=5000 * mib)), kernel_cmdline)
+        assert added in (0, 12 * mib), f"exec after read {exec_after}: a child read as adding {added / mib:.0f} MiB"
