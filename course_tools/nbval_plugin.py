@@ -100,7 +100,7 @@ def _vm_hwm_bytes(pid: int) -> int:
 SHARED_SPACE_SLACK = 16 * 2**20   # a vfork'd child and the kernel read a few microseconds apart
 
 
-def _child_adds(child, kernel, kernel_cmdline) -> int:
+def _child_adds(child, kernel, kernel_cmdline, kernel_exe=None) -> int:
     """The bytes a kernel's child adds to the kernel's resident set (see KernelMemorySampler).
 
     A child that is about to run another program (``subprocess`` vforks, then the child execs g++) can exec while
@@ -111,12 +111,21 @@ def _child_adds(child, kernel, kernel_cmdline) -> int:
     info = child.memory_full_info()
     if before == kernel_cmdline and child.cmdline() != kernel_cmdline:
         before, info = child.cmdline(), child.memory_full_info()   # it exec'd while we read: read the new program
-    if before != kernel_cmdline:                  # another program: its share of every page it maps
-        return getattr(info, "pss", info.rss)
+    if before != kernel_cmdline:
+        if kernel_exe is not None and _exe(child) == kernel_exe:   # the kernel's interpreter: a rank, a worker
+            return getattr(info, "uss", info.rss)  # its libraries' pages (libtorch) are the kernel's, charged once
+        return getattr(info, "pss", info.rss)      # another program: its share of every page it maps
     kernel_now = kernel.memory_info()
     if info.vms == kernel_now.vms and abs(info.rss - kernel_now.rss) <= SHARED_SPACE_SLACK:
         return 0    # the kernel's own address space (vfork before exec), or a fork that has written nothing yet
     return getattr(info, "uss", info.rss)         # a copy of the kernel: the pages it alone holds
+
+
+def _exe(process) -> str | None:
+    try:
+        return process.exe()
+    except Exception:  # exited, or not ours to read
+        return None
 
 
 class KernelMemorySampler:
@@ -124,8 +133,10 @@ class KernelMemorySampler:
 
     What a session's memory limit sees is the sum at one moment, so every sample adds the kernel's
     resident set to what its children add, and the largest such sum is kept. A child that runs another
-    program (a compiler, a rank) adds its proportional set size (PSS: pages shared between processes,
-    such as libtorch mapped by every rank, count once). A child that is still a copy of the kernel
+    program (a compiler) adds its proportional set size (PSS: pages shared between processes count once).
+    A child that runs the kernel's own interpreter (a launched rank, a worker) maps the libraries the kernel
+    has mapped (libtorch: hundreds of MiB, already in the kernel's resident set, which a memory limit
+    charges once): it adds the pages it alone holds (USS). A child that is still a copy of the kernel
     (forked, not yet running another program) adds only the pages it owns alone (USS): the rest are the
     kernel's, already counted; and one that shares the kernel's whole address space (``vfork``, for the
     instant before ``exec``) adds nothing. The kernel's own peak is also read exactly (its VmHWM), so a
@@ -153,14 +164,14 @@ class KernelMemorySampler:
         try:
             kernel = psutil.Process(self.pid)
             kernel_now = kernel.memory_info().rss
-            kernel_cmdline = kernel.cmdline()
+            kernel_cmdline, kernel_exe = kernel.cmdline(), _exe(kernel)
             children = kernel.children(recursive=True)
         except Exception:
             return
         now, who = 0, []
         for child in children:
             try:
-                added = _child_adds(child, kernel, kernel_cmdline)
+                added = _child_adds(child, kernel, kernel_cmdline, kernel_exe)
                 name = child.name()
             except Exception:  # exited since the listing, or not ours to read
                 continue

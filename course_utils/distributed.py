@@ -1,11 +1,17 @@
 """Beyond one GPU (notebook 07): ZeRO per-rank bytes (2 + 2 + 12 bytes per parameter, Rajbhandari et al. 2019),
-the GPipe bubble (p - 1) / (m + p - 1). The multi-process workers and the row-parallel exercise's checker are
-written in the notebook."""
+the GPipe bubble (p - 1) / (m + p - 1), and ``run_ranks``, which launches a worker script on several processes (07's
+FSDP and tensor-parallel workers, 11's sharded checkpoint). The workers themselves and the row-parallel exercise's
+checker are written in the notebooks."""
 from __future__ import annotations
 
 import itertools
 import math
+import shutil
+import subprocess
+import sys
+import tempfile
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 from .units import GIB
 from .validation import positive_int
@@ -114,3 +120,31 @@ def plot_pipeline_schedule(p: int, m: int, *, ax=None):
     ax.set_title(f"GPipe, p={p} stages, m={m} micro-batches: bubble = {bubble_fraction(p, m):.0%}")
     return ax
 
+
+
+def run_ranks(script, inputs: dict, *, world_size: int = 2, timeout_s: int = 300, folder=None) -> list:
+    """Save ``inputs`` to a fresh run folder (in ``folder``, default: the script's), run ``script RUN_DIR`` on
+    ``world_size`` processes with the course's launcher (``python -m course_tools.launcher``, what ``torchrun
+    --nproc-per-node N`` does: each process gets its rank in the environment, the rendezvous listens on a port the
+    operating system picks, every process is stopped after an error or ``timeout_s``), print the command and what the
+    ranks printed, and return what each rank saved to ``RUN_DIR/rank<r>.pt``, by rank. The run folder is removed."""
+    import torch
+
+    script = Path(script)
+    if not script.is_file():
+        raise ValueError(f"{script} is not a file: write the worker script first (its %%writefile cell).")
+    positive_int(world_size, "world_size")
+    positive_int(timeout_s, "timeout_s")
+    run_dir = tempfile.mkdtemp(prefix="run_", dir=folder or script.parent)
+    try:
+        torch.save(inputs, f"{run_dir}/data.pt")
+        command = [sys.executable, "-m", "course_tools.launcher", f"--nproc-per-node={world_size}",
+                   f"--timeout={timeout_s}", str(script), run_dir]
+        print("$ python", *command[1:])
+        done = subprocess.run(command, capture_output=True, text=True)
+        print(done.stdout + done.stderr)
+        if done.returncode:
+            raise RuntimeError(f"the ranks failed (exit code {done.returncode}); the launcher's report is above")
+        return [torch.load(f"{run_dir}/rank{rank}.pt") for rank in range(world_size)]
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)

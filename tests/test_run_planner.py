@@ -212,3 +212,83 @@ def test_measure_phase_counts_what_from_pretrained_reads_as_host_memory():
     with pytest.raises(TypeError, match="callable"):
         planner.measure_phase("not a function")
     assert memory.tensor_bytes(torch.zeros(3)) == 12
+
+
+# ---------------------------------------------------------------------------- saving on ranks (notebook 11's worker)
+def _notebook_worker(name: str) -> str:
+    """The source of the notebook cell that writes ``name`` (its %%writefile line removed)."""
+    import json
+
+    for cell in json.loads(NOTEBOOK.read_text())["cells"]:
+        source = "".join(cell["source"])
+        if cell["cell_type"] == "code" and source.startswith("%%writefile") and name in source.splitlines()[0]:
+            return source.split("\n", 1)[1]
+    raise AssertionError(f"no cell of {NOTEBOOK.name} writes {name}")
+
+
+@pytest.mark.slow
+def test_a_sharded_save_on_two_gloo_ranks_is_priced_rank_by_rank(tmp_path):
+    # 11's worker on 2 real processes: 07's MLP sharded by FSDP2, one Adam step, then DCP (each rank its share) and
+    # the state gathered whole on rank 0 (the other rank holds one gathered tensor at a time); each rank's host peak
+    # against price_save, within 5%
+    from course_utils import distributed
+
+    worker = tmp_path / "dcp_worker.py"
+    worker.write_text(_notebook_worker("DCP_WORKER"))
+    mlp = dict(n_layers=3, width=768, in_features=32, n_classes=10)
+    ranks = distributed.run_ranks(worker, {"model": models.mlp(**mlp), "x": torch.randn(4, 32),
+                                           "y": torch.randint(0, 10, (4,))}, world_size=2)
+    with torch.device("meta"):
+        model = models.mlp(**mlp)
+    price = {save: planner.price_save(model, save=save, save_ranks=2, device="cpu")["host"]
+             for save in ("sharded", "gathered")}
+    n = sum(p.numel() for p in model.parameters())
+    largest = 4 * max(p.numel() for p in model.parameters())
+    for rank, result in enumerate(ranks):
+        assert result["held"] == pytest.approx(12 * n / 2, rel=0.01)
+        assert result["peaks"]["sharded"] == pytest.approx(price["sharded"], rel=TOLERANCE), rank
+        assert result["peaks"]["gathered"] >= result["held"] + largest   # one whole tensor, at least
+    assert ranks[0]["peaks"]["gathered"] == pytest.approx(price["gathered"], rel=TOLERANCE)
+    assert ranks[1]["peaks"]["gathered"] < ranks[0]["peaks"]["gathered"] / 2   # only rank 0 holds the whole state
+
+
+def test_price_save_counts_a_modules_tensors():
+    with torch.device("meta"):
+        tied = GPT2LMHeadModel(models.gpt2_config("gpt2", **SIZE))
+    n = sum(p.numel() for p in tied.parameters())
+    head = 4 * tied.lm_head.weight.numel()
+    copied = planner.price_save(tied, device="cuda")
+    assert copied["host"] == 12 * n + head   # the tied head's second key copied twice
+    assert planner.price_save(tied, save="sharded", save_ranks=4, device="cpu")["host"] == -(-12 * n // 4)
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        planner.price_save("gpt2")
+    with pytest.raises(ValueError, match="save='sharded'"):
+        planner.price_save(tied, save_ranks=2)
+
+
+def test_saves_over_ranks_are_priced_per_rank(spec):
+    base = dict(lengths=LENGTHS, micro_batch=B, max_length=T)
+    checkpoint = 12 * spec.n_params
+    for device in ("cpu", "cuda"):
+        one = planner.predict_run(spec, save="streamed", device=device, **base).phases["save"]
+        four = planner.predict_run(spec, save="sharded", save_ranks=4, device=device, **base).phases["save"]
+        rank0 = planner.predict_run(spec, save="gathered", save_ranks=4, device=device, **base).phases["save"]
+        assert four["device"] == pytest.approx(one["device"] / 4, rel=0.01)
+        assert rank0["host"] >= checkpoint and rank0["host"] > 3 * four["host"]
+    gpu = planner.predict_run(spec, save="gathered", save_ranks=4, device="cuda", **base).phases["save"]
+    assert gpu["device"] == -(-checkpoint // 4) + 4 * spec.largest_tensor   # one whole tensor on the card at a time
+    cpu = planner.predict_run(spec, save="gathered", save_ranks=4, device="cpu", **base).phases["save"]
+    assert cpu["device"] == -(-checkpoint // 4) + gpu["host"]   # on a CPU the gathered tensors are the host's copy
+    with pytest.raises(ValueError, match="save='sharded'"):
+        planner.predict_run(spec, save="host_copy", save_ranks=2, device="cpu", **base)
+
+
+def test_run_ranks_says_what_to_fix(tmp_path):
+    from course_utils import distributed
+
+    with pytest.raises(ValueError, match="write the worker script first"):
+        distributed.run_ranks(tmp_path / "missing.py", {})
+    worker = tmp_path / "fails.py"
+    worker.write_text("raise SystemExit('this rank refuses')\n")
+    with pytest.raises(RuntimeError, match="the ranks failed"):
+        distributed.run_ranks(worker, {}, world_size=2, timeout_s=60)

@@ -26,7 +26,7 @@ __all__ = ["BEYOND_ADAM", "CATEGORIES", "CPU_STEP_REFERENCE", "FIGURES", "Larges
            "fsdp_rank_bytes", "get_gpu", "get_model", "gpt2_spec", "gpu_presets", "hf_spec", "largest_fit", "llm_presets", "lora_params", "make_settings",
            "model_presets", "plan_frame", "plan_spread", "planner_widget", "published", "plot_plans", "predict", "presets", "price_grpo_step", "small_cnn",
            "step_seconds", "to_accelerate_fsdp", "to_deepspeed", "to_script", "to_trainer"]
-from .run import RunPlan, measure_phase, predict_run, worst_batch
+from .run import RunPlan, measure_phase, predict_run, price_save, worst_batch
 from .widget import plot_run
 
-__all__ += ["RunPlan", "measure_phase", "plot_run", "predict_run", "worst_batch"]
+__all__ += ["RunPlan", "measure_phase", "plot_run", "predict_run", "price_save", "worst_batch"]

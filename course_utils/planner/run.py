@@ -15,8 +15,15 @@ checkpoint; each phase's peak on the device and in host RAM, and the phase that 
   as Trainer's ``eval_accumulation_steps`` moves them).
 * **save**: ``"host_copy"`` copies the whole state dict (weights + optimizer state) to the host before writing, key
   by key (a tied head is a second key of the embedding's tensor: copied twice);
-  ``"streamed"`` writes it one tensor at a time (``torch.save`` of device tensors, safetensors); ``"sharded"``
-  (``torch.distributed.checkpoint``): each of ``save_ranks`` ranks stages its share.
+  ``"streamed"`` writes it one tensor at a time (``torch.save`` of device tensors, safetensors). With the state
+  sharded over ``save_ranks`` ranks (FSDP), the save phase is one rank's: ``"sharded"``
+  (``torch.distributed.checkpoint.save``) has each rank write its own share from where it lies, one tensor at a time
+  to the host from a GPU, so a rank holds its share and no more (DCP's save plans, pickled and exchanged between the
+  ranks, tens of KiB, are not priced); ``"gathered"`` (``get_state_dict(..., full_state_dict=True, cpu_offload=True)``
+  then ``torch.save`` on rank 0) all-gathers each tensor whole and moves it to rank 0's host: rank 0 holds its
+  share and the whole state on the host (a tied head twice: a key of its own), and from a GPU one whole tensor at a
+  time on the device. Measured on two gloo ranks by
+  notebook 11 and ``tests/test_run_planner.py``.
 """
 from __future__ import annotations
 
@@ -30,7 +37,7 @@ from .model import get_gpu, get_model, predict
 
 PHASES = ("load", "first step", "training step", "evaluation", "save")
 LOADS = ("init", "from_pretrained", "to_device")
-SAVES = ("host_copy", "streamed", "sharded")
+SAVES = ("host_copy", "streamed", "sharded", "gathered")
 PADDINGS = ("longest", "dynamic", "bucket", "packed")
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
@@ -111,6 +118,50 @@ def worst_batch(lengths, micro_batch: int, *, max_length: int | None = None, pad
     return micro_batch, cap if padding == "packed" else min(max(values), cap)
 
 
+def _check_save(save, save_ranks) -> None:
+    _choice(save, "save", SAVES)
+    _count(save_ranks, "save_ranks")
+    if save_ranks != 1 and save not in ("sharded", "gathered"):
+        raise ValueError(f"save_ranks={save_ranks} needs a save over ranks: save='sharded' (each rank writes its share) "
+                         f"or save='gathered' (rank 0 gathers the whole state), not save={save!r}.")
+
+
+def _save_phase(checkpoint: int, largest: int, tied: int, save: str, save_ranks: int, on_cpu: bool) -> dict:
+    """The save phase (see the module docstring) from the bytes of the whole checkpoint (weights + optimizer state),
+    of its largest tensor and of a tied head's second key."""
+    held = checkpoint if save in ("host_copy", "streamed") else -(-checkpoint // save_ranks)   # what a rank holds
+    staged = {"host_copy": checkpoint + tied, "streamed": 0 if on_cpu else largest,
+              "sharded": 0 if on_cpu else -(-largest // save_ranks), "gathered": checkpoint + tied}[save]
+    # from a GPU, each tensor all-gathered on the device before it moves to the host; on a CPU it is the host's copy
+    on_device = largest if save == "gathered" and not on_cpu else 0
+    return dict(device=held + on_device + (staged if on_cpu else 0), host=staged,
+                what={"host_copy": "the whole state dict copied to the host", "streamed": "one tensor at a time",
+                      "sharded": f"one of {save_ranks} ranks: its share, written where it lies",
+                      "gathered": f"rank 0 of {save_ranks}: its share, and the whole state gathered to its host"}[save])
+
+
+def price_save(model: torch.nn.Module, *, save: str = "host_copy", save_ranks: int = 1, device: str = "cuda") -> dict:
+    """The save phase of :func:`predict_run` for a module you built (its parameters, as they are, and Adam's fp32
+    state: 8 bytes per parameter): ``{"device": bytes, "host": bytes, "what": text}``, one rank's when ``save`` is
+    "sharded" or "gathered" over ``save_ranks`` ranks. The module may live on the meta device (nothing allocated)."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module (price a preset or a spec with predict_run), not "
+                        f"{type(model).__name__}.")
+    _choice(device, "device", ("cuda", "cpu"))
+    _check_save(save, save_ranks)
+    params = list(model.parameters())            # a tied weight once
+    if not params:
+        raise ValueError("the model has no parameters: nothing to save.")
+    keys = [id(p) for _, p in model.named_parameters(remove_duplicate=False)]
+    tied = sum(p.numel() * p.element_size() * (keys.count(id(p)) - 1) for p in params)   # a second key, copied twice
+    checkpoint = sum(p.numel() * (p.element_size() + 8) for p in params)
+    phase = _save_phase(checkpoint, max(p.numel() * p.element_size() for p in params), tied, save, save_ranks,
+                        device == "cpu")
+    if device == "cpu":
+        phase["host"] = phase["device"]
+    return phase
+
+
 def predict_run(model, gpu="RTX 3060 (12 GB)", *, lengths, micro_batch: int, max_length: int | None = None,
                 padding: str = "dynamic", load: str = "from_pretrained", load_dtype: str = "fp32",
                 eval_batch: int | None = None, eval_batches: int = 1, keep_logits: str | None = None,
@@ -123,11 +174,10 @@ def predict_run(model, gpu="RTX 3060 (12 GB)", *, lengths, micro_batch: int, max
     training only here)."""
     spec, card = get_model(model), get_gpu(gpu)
     _choice(load, "load", LOADS)
-    _choice(save, "save", SAVES)
+    _check_save(save, save_ranks)
     _choice(keep_logits, "keep_logits", (None, "device", "host"))
     wl = DTYPE_BYTES[_choice(load_dtype, "load_dtype", DTYPE_BYTES)]
     _count(eval_batches, "eval_batches")
-    _count(save_ranks, "save_ranks")
     if settings.get("precision", "fp32") != "fp32":
         raise ValueError("predict_run prices fp32 training; leave precision out (or 'fp32').")
     if host_gib is not None and not (isinstance(host_gib, (int, float)) and host_gib > 0):
@@ -163,11 +213,7 @@ def predict_run(model, gpu="RTX 3060 (12 GB)", *, lengths, micro_batch: int, max
                                 host=on_host, what={None: "no_grad; the loss reduced per batch", "device": "no_grad; every batch's logits kept on the device",
                                       "host": "no_grad; every batch's logits moved to the host"}[keep_logits])
 
-    checkpoint = params + state
-    staged = {"host_copy": checkpoint + tied * 4, "streamed": 0 if on_cpu else 4 * spec.largest_tensor, "sharded": -(-checkpoint // save_ranks)}[save]
-    phases["save"] = dict(device=checkpoint + (staged if on_cpu else 0), host=staged,
-                          what={"host_copy": "the whole state dict copied to the host", "streamed": "one tensor at a time",
-                                "sharded": f"each of {save_ranks} ranks stages its share"}[save])
+    phases["save"] = _save_phase(params + state, 4 * spec.largest_tensor, 4 * tied, save, save_ranks, on_cpu)
     for p in phases.values():
         p["device"], p["host"] = int(p["device"]), int(p["host"])
         if on_cpu:
