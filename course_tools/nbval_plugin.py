@@ -13,6 +13,7 @@
 """
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -385,6 +386,7 @@ def pytest_collection_finish(session):
         base = session.config._tmp_path_factory.mktemp("notebook-runs")  # pytest keeps the last three runs'
         runs = notebook_runs.runs(results_dir=paths.results_dir(), base=base)
         runs.start(notebooks)
+        runs.start_tests(getattr(session.config, "_course_beside_groups", []))
 
 
 def pytest_runtest_setup(item):
@@ -406,8 +408,17 @@ _CONFIG: dict = {}  # this test run's config, for the hooks that are not given i
 
 def pytest_runtest_logreport(report):
     durations = getattr(_CONFIG.get("config"), "_course_durations", None)
-    if durations is not None and ".ipynb::" not in report.nodeid:
+    beside = getattr(_CONFIG.get("config"), "_course_beside", ())
+    if durations is not None and ".ipynb::" not in report.nodeid and report.nodeid not in beside:
         durations[report.nodeid] = durations.get(report.nodeid, 0.0) + report.duration
+    path = os.environ.get("COURSE_BESIDE_REPORT")
+    if path:   # this is a unit-test group's own process (BESIDE_TEST_FILES): each phase's outcome, for the main run
+        text = report.longreprtext if report.outcome != "passed" else ""
+        if report.skipped and isinstance(report.longrepr, tuple):
+            text = report.longrepr[2]
+        with open(path, "a") as out:
+            out.write(json.dumps({"nodeid": report.nodeid, "when": report.when, "outcome": report.outcome,
+                                  "text": text}) + "\n")
 
 
 def pytest_terminal_summary(terminalreporter, config):
@@ -421,6 +432,9 @@ def pytest_terminal_summary(terminalreporter, config):
     done = runs.done() if runs else {}
     for path, result in done.items():
         slow.append((result.get("wall_s", 0.0), f"{path.name} (its installed run, in the background)"))
+    for result in (runs.test_groups_done() if runs else []):
+        files = sorted({nodeid.split("::")[0] for nodeid in result["nodeids"]})
+        slow.append((result["wall_s"], f"{' + '.join(files)} (a pytest process of its own, in the background)"))
     wall = time.perf_counter() - config._course_started
     terminalreporter.write_sep("-", "course: where the time went")
     if runs and done:
@@ -443,12 +457,64 @@ def pytest_unconfigure(config):
 # Tests that drive processes of their own (a JupyterLab server, Chromium) run last among the unit tests: there the
 # notebooks' runs are ending and leave them the cores (first, beside every kernel starting, they took twice as long).
 LATE_TEST_FILES = ("test_browser.py",)
+# Unit-test files that run, when the notebooks run as installed, in pytest processes of their own queued behind the
+# notebooks (one process per group): when the last notebooks finish, they keep the second core busy while this process
+# runs the other unit tests (before, the last four minutes of `make test` ran on one core). Their items here wait for
+# and report that process's outcome, test by test. Files whose tests compare what the notebooks recorded stay here.
+BESIDE_TEST_FILES = (("test_capstone.py", "test_protocol.py"), ("test_validate.py", "test_planner_export.py"))
+
+
+def _beside_item_class():
+    import pytest
+
+    class BesideItem(pytest.Item):
+        """A unit test run in its group's own pytest process (``BESIDE_TEST_FILES``): its outcome, reported here."""
+
+        def runtest(self):
+            from course_tools import notebook_runs
+
+            found = notebook_runs.runs().test_result(self.nodeid)
+            if found["outcome"] == "skipped":
+                pytest.skip(found["text"] or "skipped in its own process")
+            if found["outcome"] == "failed":
+                raise InstalledRunFailure(f"(in the pytest process of its group, beside the notebooks)\n{found['text']}")
+
+        def repr_failure(self, excinfo):
+            return str(excinfo.value) if isinstance(excinfo.value, InstalledRunFailure) else super().repr_failure(excinfo)
+
+        def reportinfo(self):
+            return self.path, None, self.nodeid
+
+    return BesideItem
+
+
+def _run_beside(config, items) -> None:
+    """Replace the items of ``BESIDE_TEST_FILES`` by items that report their group's own process, when the notebooks
+    run as installed in this session (their pool runs the groups); not in a group's process, nor in an xdist worker,
+    nor for a test marked ``after_notebooks``."""
+    if (not _installed(config) or config.option.collectonly or os.environ.get("COURSE_BESIDE_REPORT")
+            or os.environ.get("PYTEST_XDIST_WORKER")
+            or not any(str(getattr(item, "path", "")).endswith(".ipynb") for item in items)):
+        return
+    item_class, groups, beside = _beside_item_class(), [], set()
+    for names in BESIDE_TEST_FILES:
+        group = [item for item in items if Path(str(getattr(item, "path", ""))).name in names
+                 and item.get_closest_marker("after_notebooks") is None]
+        if group:
+            groups.append([item.nodeid for item in group])
+            beside.update(groups[-1])
+    if not groups:
+        return
+    config._course_beside, config._course_beside_groups = beside, groups
+    items[:] = [item_class.from_parent(item.parent, name=item.name) if item.nodeid in beside else item
+                for item in items]
 
 
 def _order(item) -> tuple:
     """The unit tests, then those of ``LATE_TEST_FILES``, then the notebooks' cells, then ``after_notebooks``."""
     path = Path(str(getattr(item, "path", "")))
-    group = 2 if path.suffix == ".ipynb" else 1 if path.name in LATE_TEST_FILES else 0
+    beside = any(path.name in names for names in BESIDE_TEST_FILES) and type(item).__name__ == "BesideItem"
+    group = 3 if path.suffix == ".ipynb" else 2 if beside else 1 if path.name in LATE_TEST_FILES else 0
     return item.get_closest_marker("after_notebooks") is not None, group
 
 
@@ -462,6 +528,7 @@ def pytest_collection_modifyitems(session, config, items):
         if bare:
             config.hook.pytest_deselected(items=bare)
             items[:] = [item for item in items if item.get_closest_marker("bare") is None]
+    _run_beside(config, items)
     items.sort(key=_order)  # stable: the order within each group kept
     try:
         from nbval.plugin import IPyNbFile

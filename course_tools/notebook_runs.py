@@ -16,8 +16,11 @@ repository's editable install (quicker to start while editing a notebook; the in
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -92,6 +95,7 @@ class NotebookRuns:
         self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="notebook")
         self._setup = self._setup_pool.submit(self._prepare)
         self._futures: dict[Path, concurrent.futures.Future] = {}
+        self._test_jobs: dict[str, concurrent.futures.Future] = {}   # nodeid -> its group's pytest process
         self._lock = threading.Lock()
         self.snapshot = installed.repo_snapshot()
         self.started = time.perf_counter()
@@ -135,14 +139,71 @@ class NotebookRuns:
                 self.finished = time.perf_counter()
         return result
 
+    def start_tests(self, groups: list[list[str]]) -> None:
+        """Queue each group of unit tests (node ids) as a pytest process of its own, behind the notebooks: when the
+        last notebooks finish, these keep the cores busy beside the unit tests this process runs."""
+        with self._lock:
+            for nodeids in groups:
+                nodeids = [n for n in nodeids if n not in self._test_jobs]
+                if nodeids:
+                    future = self._pool.submit(self._run_tests, nodeids)
+                    self._test_jobs.update(dict.fromkeys(nodeids, future))
+
+    def _run_tests(self, nodeids: list[str]) -> dict:
+        self.base.mkdir(parents=True, exist_ok=True)
+        folder = Path(tempfile.mkdtemp(prefix="beside-", dir=self.base))
+        report = folder / "report.jsonl"
+        # its own course folder and pytest folder: nothing it writes meets what this process's tests write
+        (folder / "home").mkdir()
+        env = dict(os.environ, COURSE_BESIDE_REPORT=str(report), OMP_NUM_THREADS=str(self.threads),
+                   COURSE_HOME=str(folder / "home"))
+        start = time.perf_counter()
+        try:
+            done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-c", str(installed.ROOT / "pyproject.toml"),
+                                   f"--basetemp={folder / 'tmp'}", *nodeids],
+                                  env=env,
+                                  cwd=installed.ROOT, capture_output=True, text=True, timeout=1800)
+            log = (done.stdout[-12000:] + done.stderr[-4000:])
+        except subprocess.TimeoutExpired as err:
+            log = f"TIMEOUT after {err.timeout:.0f} s"
+        outcomes: dict[str, dict] = {}
+        if report.is_file():
+            for line in report.read_text().splitlines():
+                entry = json.loads(line)
+                seen = outcomes.setdefault(entry["nodeid"], {"outcome": "passed", "text": ""})
+                if entry["outcome"] == "failed" or (entry["outcome"] == "skipped" and seen["outcome"] == "passed"):
+                    seen.update(outcome=entry["outcome"], text=entry["text"])
+        return {"outcomes": outcomes, "log": log, "wall_s": time.perf_counter() - start, "nodeids": nodeids}
+
+    def test_result(self, nodeid: str) -> dict:
+        """``{"outcome", "text"}`` of a unit test run in its group's own process (waiting for it)."""
+        if nodeid not in self._test_jobs:
+            return {"outcome": "failed", "text": f"{nodeid} was not queued to run in a process of its own"}
+        result = self._test_jobs[nodeid].result()
+        found = result["outcomes"].get(nodeid)
+        if found is None:
+            return {"outcome": "failed", "text": f"{nodeid} did not report in its pytest process; its output:\n"
+                                                 + result["log"]}
+        return found
+
+    def test_groups_done(self) -> list[dict]:
+        """The unit-test processes that finished."""
+        seen, out = set(), []
+        for future in self._test_jobs.values():
+            if id(future) not in seen and future.done() and not future.cancelled():
+                seen.add(id(future))
+                out.append(future.result())
+        return out
+
     def result(self, notebook) -> dict:
         path = Path(notebook)
         self.start([path])
         return self._futures[path].result()
 
     def running(self) -> int:
-        """How many kernels run now: the queued runs not finished, at most ``workers`` at a time."""
-        return min(self.workers, sum(not f.done() for f in self._futures.values()))
+        """How many processes this pool runs now (kernels, unit-test groups), at most ``workers`` at a time."""
+        jobs = list(self._futures.values()) + list({id(f): f for f in self._test_jobs.values()}.values())
+        return min(self.workers, sum(not f.done() for f in jobs))
 
     def unit_test_threads(self) -> int:
         """The unit tests' share of the cores: what the running kernels leave, every core once they are done."""

@@ -116,12 +116,16 @@ def test_the_unit_tests_take_back_the_cores_as_the_kernels_finish(tmp_path, monk
     runs.workers, runs.threads = 2, 1
     pending = [concurrent.futures.Future() for _ in range(3)]
     runs._futures = {Path(f"{i}.ipynb"): f for i, f in enumerate(pending)}
+    group = concurrent.futures.Future()   # a group of unit tests in a process of its own, behind the notebooks
+    runs._test_jobs = {"tests/test_a.py::test_one": group, "tests/test_a.py::test_two": group}
     assert runs.running() == 2 and runs.unit_test_threads() == 2      # three queued, two at a time
     pending[0].set_result({})
     pending[1].set_result({})
-    assert runs.running() == 1 and runs.unit_test_threads() == 3
+    assert runs.running() == 2 and runs.unit_test_threads() == 2      # a notebook and the group
     pending[2].set_result({})
-    assert runs.running() == 0 and runs.unit_test_threads() == 4      # every core once the notebooks are done
+    assert runs.running() == 1 and runs.unit_test_threads() == 3
+    group.set_result({})
+    assert runs.running() == 0 and runs.unit_test_threads() == 4      # every core once the others are done
 
 
 # ---------------------------------------------------------------- unit tests beside the background runs
@@ -161,3 +165,28 @@ def test_the_check_finds_such_a_patch_and_a_stand_in_changes_one_module():
     assert fake.run() == "fake" and fake.PIPE is subprocess.PIPE and subprocess.run is not fake.run
     with pytest.raises(AttributeError, match="has no runn"):
         stand_in(subprocess, runn=None)
+
+
+def test_a_group_of_unit_tests_runs_in_its_own_process_and_reports_each_outcome(tmp_path, monkeypatch):
+    # make test runs some unit-test files in pytest processes of their own, behind the notebooks
+    # (nbval_plugin.BESIDE_TEST_FILES): each test's outcome and its text must come back, a failure's included
+    monkeypatch.setattr(notebook_runs.NotebookRuns, "_prepare", lambda self: None)   # no wheel: no notebook runs
+    tests = tmp_path / "test_group.py"
+    tests.write_text("import pytest\n"
+                     "def test_passes():\n    assert 1 + 1 == 2\n"
+                     "def test_fails():\n    assert 1 + 1 == 3, 'arithmetic broke'\n"
+                     "def test_skips():\n    pytest.skip('nothing to do here')\n")
+    runs = notebook_runs.NotebookRuns(tmp_path / "runs", workers=1)
+    try:
+        nodeids = [f"{tests}::test_{name}" for name in ("passes", "fails", "skips")]
+        runs.start_tests([nodeids])
+        [result] = [runs._test_jobs[nodeids[0]].result()]
+        assert result["outcomes"], result["log"]
+        by_name = {nodeid.split("::")[-1]: found for nodeid, found in result["outcomes"].items()}
+        assert by_name["test_passes"]["outcome"] == "passed"
+        assert by_name["test_fails"]["outcome"] == "failed" and "arithmetic broke" in by_name["test_fails"]["text"]
+        assert by_name["test_skips"]["outcome"] == "skipped" and "nothing to do here" in by_name["test_skips"]["text"]
+        assert runs.test_result("tests/test_nowhere.py::test_missing")["outcome"] == "failed"
+    finally:
+        runs.stop()
+    assert runs.test_groups_done()[0]["wall_s"] > 0

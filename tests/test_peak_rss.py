@@ -132,3 +132,30 @@ def test_a_child_that_execs_while_it_is_read_counts_as_the_new_program():
         child = _ChildThatExecs(kernel_cmdline, kernel_memory, compiler, exec_after)
         added = nbval_plugin._child_adds(child, _Kernel(_Memory(rss=1282 * mib, vms=5000 * mib)), kernel_cmdline)
         assert added in (0, 12 * mib), f"exec after read {exec_after}: a child read as adding {added / mib:.0f} MiB"
+
+
+class _Rank:
+    """A child that runs the kernel's interpreter with other arguments (a launched rank)."""
+
+    def __init__(self, memory):
+        self.memory = memory
+
+    def cmdline(self):
+        return ["/venv/bin/python", "worker.py", "RUN_DIR"]
+
+    def memory_full_info(self):
+        return self.memory
+
+    def exe(self):
+        return "/venv/bin/python"
+
+
+def test_a_rank_adds_the_pages_it_alone_holds_a_compiler_its_share_of_all():
+    # a rank maps the libraries the kernel has mapped (libtorch), already in the kernel's resident set: its USS;
+    # another program's libraries are its own: its PSS
+    mib = 2**20
+    kernel_cmdline = ["/venv/bin/python", "-m", "ipykernel_launcher"]
+    rank = _Rank(_Memory(rss=700 * mib, vms=3000 * mib, pss=520 * mib, uss=330 * mib))
+    kernel = _Kernel(_Memory(rss=1000 * mib, vms=5000 * mib))
+    assert nbval_plugin._child_adds(rank, kernel, kernel_cmdline, "/venv/bin/python") == 330 * mib
+    assert nbval_plugin._child_adds(rank, kernel, kernel_cmdline, "/usr/bin/python3") == 520 * mib
