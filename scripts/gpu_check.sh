@@ -78,7 +78,7 @@ STEPS=(
   "08_current_toolbox|45||08_current_toolbox"
   "09_smaller_than_the_model|35||09_smaller_than_the_model"
   "10_beyond_adam|30||10_beyond_adam"
-  "11_a_whole_run|25||11_a_whole_run"
+  "11_a_whole_run|30||11_a_whole_run"
   "12_rl_fine_tuning|25||12_rl_fine_tuning"
 )
 STEP_NAMES=()

@@ -187,6 +187,7 @@ def test_a_group_of_unit_tests_runs_in_its_own_process_and_reports_each_outcome(
         assert by_name["test_fails"]["outcome"] == "failed" and "arithmetic broke" in by_name["test_fails"]["text"]
         assert by_name["test_skips"]["outcome"] == "skipped" and "nothing to do here" in by_name["test_skips"]["text"]
         assert runs.test_result("tests/test_nowhere.py::test_missing")["outcome"] == "failed"
-    finally:
-        runs.stop()
+    finally:   # not runs.stop(): it ends every notebook run of this process, the test run's own included
+        runs._pool.shutdown(wait=True)
+        runs._setup_pool.shutdown(wait=True)
     assert runs.test_groups_done()[0]["wall_s"] > 0
