@@ -385,8 +385,7 @@ def pytest_collection_finish(session):
 
         base = session.config._tmp_path_factory.mktemp("notebook-runs")  # pytest keeps the last three runs'
         runs = notebook_runs.runs(results_dir=paths.results_dir(), base=base)
-        runs.start(notebooks)
-        runs.start_tests(getattr(session.config, "_course_beside_groups", []))
+        runs.start(notebooks, getattr(session.config, "_course_beside_groups", []))
 
 
 def pytest_runtest_setup(item):
@@ -457,9 +456,9 @@ def pytest_unconfigure(config):
 # Tests that drive processes of their own (a JupyterLab server, Chromium) run last among the unit tests: there the
 # notebooks' runs are ending and leave them the cores (first, beside every kernel starting, they took twice as long).
 LATE_TEST_FILES = ("test_browser.py",)
-# Unit-test files that run, when the notebooks run as installed, in pytest processes of their own queued behind the
-# notebooks (one process per group): when the last notebooks finish, they keep the second core busy while this process
-# runs the other unit tests (before, the last four minutes of `make test` ran on one core). Their items here wait for
+# Unit-test files that run, when the notebooks run as installed, in pytest processes of their own queued with the
+# notebooks (one process per group, the longest jobs first): they keep the second core busy while this process runs
+# the other unit tests (before, the last four minutes of `make test` ran on one core). Their items here wait for
 # and report that process's outcome, test by test. Files whose tests compare what the notebooks recorded stay here.
 BESIDE_TEST_FILES = (("test_capstone.py", "test_protocol.py"), ("test_validate.py", "test_planner_export.py"))
 

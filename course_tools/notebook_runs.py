@@ -38,6 +38,9 @@ BUDGETS = {
     "06_capstone_gpt2_xl": 90, "07_beyond_one_gpu": 30, "08_current_toolbox": 110, "09_smaller_than_the_model": 60,
     "10_beyond_adam": 35, "11_a_whole_run": 45, "12_rl_fine_tuning": 45,   # 11, 12: about twice their runs alone
 }
+# A group of unit-test files run in a pytest process of its own (nbval_plugin.BESIDE_TEST_FILES), in the same units:
+# each took 2-2.5 minutes beside the notebooks on a fresh 2-core machine, between 09 and 06.
+TEST_GROUP_BUDGET = 75
 MODES = ("installed", "here")
 # The test runs count as a GPU does: every storage in CUDA's 512-byte blocks (course_utils.memory.cuda_rounding), so
 # an exact-byte claim that holds here holds on a GPU too; `make outputs` and a learner's run count exact bytes.
@@ -111,12 +114,25 @@ class NotebookRuns:
         """(wheel, dependency folder, isolation), waiting for them."""
         return self._setup.result()
 
-    def start(self, notebooks) -> None:
-        """Queue the notebooks not queued yet, longest budget first so that the last to finish is a short one."""
+    def start(self, notebooks, test_groups=()) -> None:
+        """Queue the notebooks not queued yet, and each group of unit tests (node ids) as a pytest process of its
+        own: longest budget first, so that the last to finish is a short notebook while this process runs the other
+        unit tests (a group weighs ``TEST_GROUP_BUDGET``)."""
+        jobs = [(BUDGETS.get(Path(p).stem, 0), "notebook", Path(p)) for p in notebooks]
+        jobs += [(TEST_GROUP_BUDGET, "tests", list(nodeids)) for nodeids in test_groups]
         with self._lock:
-            for path in sorted(map(Path, notebooks), key=lambda p: -BUDGETS.get(p.stem, 0)):
-                if path not in self._futures:
-                    self._futures[path] = self._pool.submit(self._run, path)
+            for _, kind, job in sorted(jobs, key=lambda j: -j[0]):
+                if kind == "notebook" and job not in self._futures:
+                    self._futures[job] = self._pool.submit(self._run, job)
+                elif kind == "tests":
+                    nodeids = [n for n in job if n not in self._test_jobs]
+                    if nodeids:
+                        future = self._pool.submit(self._run_tests, nodeids)
+                        self._test_jobs.update(dict.fromkeys(nodeids, future))
+
+    def start_tests(self, groups: list[list[str]]) -> None:
+        """Queue groups of unit tests alone (see :meth:`start`)."""
+        self.start([], groups)
 
     def _run(self, path: Path) -> dict:
         try:
@@ -138,16 +154,6 @@ class NotebookRuns:
             if all(f.done() for p, f in self._futures.items() if p != path):
                 self.finished = time.perf_counter()
         return result
-
-    def start_tests(self, groups: list[list[str]]) -> None:
-        """Queue each group of unit tests (node ids) as a pytest process of its own, behind the notebooks: when the
-        last notebooks finish, these keep the cores busy beside the unit tests this process runs."""
-        with self._lock:
-            for nodeids in groups:
-                nodeids = [n for n in nodeids if n not in self._test_jobs]
-                if nodeids:
-                    future = self._pool.submit(self._run_tests, nodeids)
-                    self._test_jobs.update(dict.fromkeys(nodeids, future))
 
     def _run_tests(self, nodeids: list[str]) -> dict:
         self.base.mkdir(parents=True, exist_ok=True)

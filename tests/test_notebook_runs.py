@@ -191,3 +191,15 @@ def test_a_group_of_unit_tests_runs_in_its_own_process_and_reports_each_outcome(
         runs._pool.shutdown(wait=True)
         runs._setup_pool.shutdown(wait=True)
     assert runs.test_groups_done()[0]["wall_s"] > 0
+
+
+def test_notebooks_and_test_groups_are_queued_longest_first(monkeypatch):
+    order = []
+    runs = notebook_runs.NotebookRuns.__new__(notebook_runs.NotebookRuns)
+    runs._futures, runs._test_jobs = {}, {}
+    runs._lock = __import__("threading").Lock()
+    runs._pool = SimpleNamespace(submit=lambda fn, job: order.append(job) or __import__("concurrent.futures").futures.Future())
+    runs.start([Path("00_start_here.ipynb"), Path("06_capstone_gpt2_xl.ipynb"), Path("09_smaller_than_the_model.ipynb")],
+               [["tests/test_a.py::test_one"]])
+    assert order == [Path("06_capstone_gpt2_xl.ipynb"), ["tests/test_a.py::test_one"],
+                     Path("09_smaller_than_the_model.ipynb"), Path("00_start_here.ipynb")]
