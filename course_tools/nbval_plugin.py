@@ -510,9 +510,10 @@ def _run_beside(config, items) -> None:
 
 
 def _order(item) -> tuple:
-    """The unit tests, then those of ``LATE_TEST_FILES``, then the notebooks' cells, then ``after_notebooks``."""
+    """The unit tests, then those of ``LATE_TEST_FILES``, then those reported from their group's own process, then the
+    notebooks' cells, then ``after_notebooks``."""
     path = Path(str(getattr(item, "path", "")))
-    beside = any(path.name in names for names in BESIDE_TEST_FILES) and type(item).__name__ == "BesideItem"
+    beside = type(item).__name__ == "BesideItem"   # reported from its group's own process (BESIDE_TEST_FILES)
     group = 3 if path.suffix == ".ipynb" else 2 if beside else 1 if path.name in LATE_TEST_FILES else 0
     return item.get_closest_marker("after_notebooks") is not None, group
 

@@ -130,10 +130,6 @@ class NotebookRuns:
                         future = self._pool.submit(self._run_tests, nodeids)
                         self._test_jobs.update(dict.fromkeys(nodeids, future))
 
-    def start_tests(self, groups: list[list[str]]) -> None:
-        """Queue groups of unit tests alone (see :meth:`start`)."""
-        self.start([], groups)
-
     def _run(self, path: Path) -> dict:
         try:
             wheel, dependencies, isolation = self.setup()

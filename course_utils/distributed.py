@@ -121,7 +121,6 @@ def plot_pipeline_schedule(p: int, m: int, *, ax=None):
     return ax
 
 
-
 def run_ranks(script, inputs: dict, *, world_size: int = 2, timeout_s: int = 300, folder=None) -> list:
     """Save ``inputs`` to a fresh run folder (in ``folder``, default: the script's), run ``script RUN_DIR`` on
     ``world_size`` processes with the course's launcher (``python -m course_tools.launcher``, what ``torchrun

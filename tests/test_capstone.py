@@ -106,21 +106,10 @@ def adam8bit(lr=1e-3):
     return lambda ps: bnb.optim.Adam8bit(ps, lr=lr)
 
 
-def _eager(test):
-    """Run ``test`` with torch.compile's functions eager: a test of the trainers' bookkeeping (two copies, streaming,
-    resuming) compares an optimizer with itself, so it need not wait for the C++ compiler on each tiny shape (06 and
-    test_adam8bit_cpu_codes_follows_fp32_adam_and_checks_its_input compile the 8-bit steps)."""
-    import functools
-
-    @functools.wraps(test)
-    def run(*args, **kwargs):
-        with torch.compiler.set_stance("force_eager"):
-            return test(*args, **kwargs)
-
-    return run
-
-
-EAGER = _eager
+# The trainers' bookkeeping tests (two copies, streaming, resuming) compare an optimizer with itself: decorated with
+# torch.compiler.set_stance("force_eager"), they run torch.compile's functions eager rather than wait for the C++
+# compiler on each tiny shape (06 and test_adam8bit_cpu_codes_follows_fp32_adam_and_checks_its_input compile the
+# 8-bit steps).
 
 
 def adam8bit_cpu(lr=1e-3):
@@ -173,7 +162,7 @@ def train_trainer(trainer, data, accum):
 # ----------------------------------------------------------------------------------------------- the lesson
 @pytest.mark.parametrize("make_opt,flat", [(adam, False), (adam8bit, True), (adam8bit_cpu, True), (torchao_fp8, True)],
                          ids=["adam-per-weight", "bnb-adam8bit-flat", "adam8bitcpu-flat", "torchao-fp8-flat"])
-@EAGER
+@torch.compiler.set_stance("force_eager")
 def test_two_copy_fp32_matches_plain_training_exactly(make_opt, flat):
     """Adam is elementwise: the trainer's flat master equals per-weight training. An 8-bit state quantizes
     blocks of 256 values, so it is compared with the same optimizer on one flat vector of the weights."""
@@ -250,7 +239,7 @@ def test_loss_scale_fixed_for_bf16_and_fp32():
 @pytest.mark.parametrize("dtype,make_opt,rel_tol", [(torch.float32, "bnb8", 0.0), (torch.float32, "cpu8", 0.0),
                                                      (torch.float16, sgd(), 0.01)],
                          ids=["fp32-adam8bit", "fp32-adam8bitcpu", "fp16-sgd"])
-@EAGER
+@torch.compiler.set_stance("force_eager")
 def test_streamed_update_equals_two_copy_over_accumulation(dtype, make_opt, rel_tol):
     """fp32: bit-identical. fp16: the streamed sum is done in fp32 (the recipe sums in fp16 on the
     device), so SGD's update (linear in the gradient) agrees within 1% of the largest update."""
@@ -576,7 +565,7 @@ def test_predict_gpu_peak_tiny_fake_streamed_below_recipe():
 
 
 @pytest.mark.parametrize("make_opt", [adam8bit, adam8bit_cpu], ids=["bnb-adam8bit", "adam8bitcpu"])
-@EAGER
+@torch.compiler.set_stance("force_eager")
 def test_checkpoint_resume_gives_identical_losses(tmp_path, make_opt):
     tokens = torch.tensor(capstone.ByteTokenizer().encode("the model does not fit; " * 20)) % 64
 

@@ -179,7 +179,7 @@ def test_a_group_of_unit_tests_runs_in_its_own_process_and_reports_each_outcome(
     runs = notebook_runs.NotebookRuns(tmp_path / "runs", workers=1)
     try:
         nodeids = [f"{tests}::test_{name}" for name in ("passes", "fails", "skips")]
-        runs.start_tests([nodeids])
+        runs.start([], [nodeids])
         [result] = [runs._test_jobs[nodeids[0]].result()]
         assert result["outcomes"], result["log"]
         by_name = {nodeid.split("::")[-1]: found for nodeid, found in result["outcomes"].items()}
