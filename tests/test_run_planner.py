@@ -249,7 +249,8 @@ def test_a_sharded_save_on_two_gloo_ranks_is_priced_rank_by_rank(tmp_path):
         assert result["peaks"]["sharded"] == pytest.approx(price["sharded"], rel=TOLERANCE), rank
         assert result["peaks"]["gathered"] >= result["held"] + largest   # one whole tensor, at least
     assert ranks[0]["peaks"]["gathered"] == pytest.approx(price["gathered"], rel=TOLERANCE)
-    assert ranks[1]["peaks"]["gathered"] < ranks[0]["peaks"]["gathered"] / 2   # only rank 0 holds the whole state
+    # only rank 0 keeps the whole state; the other rank holds gathered weights as they pass (two at once when busy)
+    assert ranks[1]["peaks"]["gathered"] < ranks[1]["held"] + 12 * n
 
 
 def test_price_save_counts_a_modules_tensors():
